@@ -1,0 +1,26 @@
+"""exporter: a trained checkpoint in; validated, faster deployable artifacts and a report out.
+
+Library use::
+
+    import exporter
+    result = exporter.convert("model.safetensors", recipe="cpu-fp32")
+    result.passed, result.report["artifacts"]
+"""
+
+from __future__ import annotations
+
+from .errors import ExporterError
+
+__all__ = ["convert", "inspect", "load_recipe", "ExporterError"]
+
+
+def __getattr__(name: str):  # keep `import exporter` light: torch loads on first use
+    if name in ("convert", "inspect"):
+        from . import api
+
+        return getattr(api, name)
+    if name == "load_recipe":
+        from .recipe import load_recipe
+
+        return load_recipe
+    raise AttributeError(name)

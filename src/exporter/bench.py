@@ -1,0 +1,130 @@
+"""Timing: a monotonic clock on the CPU, CUDA events on the GPU, and interleaved rounds across variants.
+
+Every variant (the eager baseline and each target) is warmed up, then timed in
+rounds; within a round each variant runs a burst of iterations, in a rotating
+order, so slow drifts of the machine (clocks, caches, other load) spread over
+all variants instead of favouring whichever ran first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+
+def time_calls(fn: Callable[[], object], count: int, device: str) -> list[float]:
+    """Milliseconds of each of ``count`` calls of ``fn``, after one untimed call.
+
+    The untimed call absorbs what switching from another variant costs (caches,
+    another process's threads going idle), so each burst measures this variant.
+    The garbage collector is paused during the burst, as ``timeit`` does: a
+    full collection of a process holding large graphs takes milliseconds.
+    """
+    if count <= 0:
+        return []
+    fn()
+    with _gc_paused():
+        return _timed(fn, count, device)
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _timed(fn: Callable[[], object], count: int, device: str) -> list[float]:
+    if device.startswith("cuda"):
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(count)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(count)]
+        torch.cuda.synchronize()
+        for start, end in zip(starts, ends):
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+    times = []
+    for _ in range(count):
+        t0 = time.perf_counter_ns()
+        fn()
+        times.append((time.perf_counter_ns() - t0) / 1e6)
+    return times
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    position = (len(ordered) - 1) * q
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+@dataclass
+class Timing:
+    median_ms: float
+    p90_ms: float
+    p99_ms: float
+    mean_ms: float
+    min_ms: float
+    stdev_ms: float
+    runs: int
+
+    @classmethod
+    def of(cls, times: list[float]) -> "Timing":
+        return cls(median_ms=statistics.median(times), p90_ms=percentile(times, 0.90),
+                   p99_ms=percentile(times, 0.99), mean_ms=statistics.fmean(times), min_ms=min(times),
+                   stdev_ms=statistics.stdev(times) if len(times) > 1 else 0.0, runs=len(times))
+
+
+class Timed(Protocol):
+    name: str
+
+    def bench(self, count: int) -> list[float]: ...
+
+
+SETTLE_S = 0.05
+
+
+def interleaved(variants: list[Timed], warmup: int, rounds: int, iterations: int,
+                on_error: Callable[[Timed, BaseException], None], settle_s: float = SETTLE_S) -> dict[str, list[float]]:
+    """Warm each variant up, then time ``rounds`` bursts of ``iterations`` per variant, rotating the order.
+
+    Between bursts the machine is left idle for ``settle_s``: runtimes whose idle
+    threads spin (onnxruntime, OpenMP) stop spinning before the next variant runs.
+    """
+    alive = list(variants)
+    times: dict[str, list[float]] = {v.name: [] for v in variants}
+    for variant in list(alive):
+        try:
+            variant.bench(warmup)
+        except Exception as exc:  # a crashed or failing variant drops out; the others go on
+            on_error(variant, exc)
+            alive.remove(variant)
+    for round_index in range(rounds):
+        if not alive:
+            break
+        shift = round_index % len(alive)
+        for variant in alive[shift:] + alive[:shift]:
+            if variant not in alive:
+                continue
+            time.sleep(settle_s)
+            try:
+                times[variant.name].extend(variant.bench(iterations))
+            except Exception as exc:
+                on_error(variant, exc)
+                alive.remove(variant)
+    return {name: t for name, t in times.items() if t}

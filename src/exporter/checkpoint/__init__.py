@@ -1,0 +1,38 @@
+"""Stage 1, load: checkpoint files, architecture resolution, and weight assignment."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.nn as nn
+
+from .architecture import Architecture, resolve_architecture
+from .files import Checkpoint, open_checkpoint
+from .loader import LoadReport, build_model, check_finite, load_weights
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    checkpoint: Checkpoint
+    architecture: Architecture
+    report: LoadReport
+
+
+def load_model(path: str | Path, factory: str | None = None, allow_pickle: bool = False) -> LoadedModel:
+    """Open the checkpoint, build its architecture on the meta device and assign the weights."""
+    checkpoint = open_checkpoint(path, allow_pickle=allow_pickle)
+    arch = resolve_architecture(checkpoint.root, factory)
+    if arch.is_transformers:
+        from .hf_loader import load_transformers
+
+        model, report = load_transformers(arch, checkpoint)
+    else:
+        model = build_model(arch)
+        report = load_weights(model, checkpoint)
+    return LoadedModel(model, checkpoint, arch, report)
+
+
+__all__ = ["LoadedModel", "load_model", "open_checkpoint", "resolve_architecture", "check_finite",
+           "Checkpoint", "Architecture", "LoadReport"]

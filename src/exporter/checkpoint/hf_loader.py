@@ -1,0 +1,78 @@
+"""Load a Hugging Face architecture through transformers' own loader.
+
+transformers renames and converts checkpoint keys between releases (a ViT saved
+by one release stores ``encoder.layer.N.attention.attention.query`` while the
+module holds ``layers.N.attention.q_proj``), ties weights and rebuilds
+non-persistent buffers. ``from_pretrained(None, config=..., state_dict=...)`` does
+all of that on the meta device from our memory-mapped tensors, and reports
+missing, unexpected and mis-shaped keys, which we turn into one error.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+
+import torch
+import torch.nn as nn
+
+from ..errors import ArchitectureError, CheckpointError
+from .architecture import Architecture
+from .files import Checkpoint
+from .loader import MAX_LISTED, LoadReport
+
+
+def _listing(names) -> str:
+    names = sorted(str(n) for n in names)
+    shown = ", ".join(names[:MAX_LISTED])
+    return shown + (f" and {len(names) - MAX_LISTED} more" if len(names) > MAX_LISTED else "")
+
+
+def checkpoint_float_dtype(checkpoint: Checkpoint) -> torch.dtype:
+    counts = collections.Counter(i.dtype for i in checkpoint.entries.values() if i.dtype.is_floating_point)
+    return counts.most_common(1)[0][0] if counts else torch.float32
+
+
+def load_transformers(arch: Architecture, checkpoint: Checkpoint) -> tuple[nn.Module, LoadReport]:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    cls = getattr(transformers, arch.name)
+    state_dict = dict(checkpoint.tensors())
+    dtype = checkpoint_float_dtype(checkpoint)
+    try:
+        model, info = cls.from_pretrained(None, config=arch.hf_config, state_dict=state_dict,
+                                          attn_implementation="eager", output_loading_info=True, dtype=dtype)
+    except CheckpointError:
+        raise
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"checkpoint {checkpoint.path} does not fit {arch.name}: {first}",
+                              "use the config.json the checkpoint was saved with") from None
+    except Exception as exc:
+        raise ArchitectureError(f"transformers could not build {arch.name} from {checkpoint.path} "
+                                f"({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''})",
+                                "check that config.json matches the weights") from None
+    problems = []
+    mismatched = info.get("mismatched_keys") or set()
+    if mismatched:
+        shown = [m if isinstance(m, str) else f"{m[0]} (checkpoint {list(m[1])}, model {list(m[2])})" for m in mismatched]
+        problems.append(f"{len(shown)} mis-shaped: {_listing(shown)}")
+    missing = info.get("missing_keys") or set()
+    if missing:
+        problems.append(f"{len(missing)} missing: {_listing(missing)}")
+    unexpected = info.get("unexpected_keys") or set()
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected: {_listing(unexpected)}")
+    errors = info.get("error_msgs") or []
+    if errors:
+        problems.append(f"load errors: {'; '.join(str(e).splitlines()[0] for e in errors[:3])}")
+    if problems:
+        raise CheckpointError(f"checkpoint {checkpoint.path} does not fit {arch.name}; " + "; ".join(problems),
+                              "use the config.json the checkpoint was saved with")
+    for param in model.parameters():
+        param.requires_grad_(False)
+    model.eval()
+    report = LoadReport(loaded=len(state_dict))
+    return model, report

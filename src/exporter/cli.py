@@ -1,0 +1,161 @@
+"""The command line: a thin Click layer over exporter.api."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+import click
+
+from .errors import EXIT_INTERNAL, EXIT_USAGE, ExporterError
+
+CONVERT_EXAMPLES = """
+\b
+Examples:
+  exporter convert model.safetensors --recipe h100-bf16
+  exporter convert ./my-model/ --recipe cpu-fp32 --out build/my-model
+  exporter convert weights.safetensors --model mypkg.models:build --recipe my-recipe.toml
+  exporter convert ckpt/ --inputs samples.safetensors --allow-drift
+
+\b
+Exit codes: 0 passed, 2 usage or input error, 3 numerics failure,
+4 target failure, 5 environment or output error, 130/143 interrupted.
+"""
+
+INSPECT_EXAMPLES = """
+\b
+Examples:
+  exporter inspect model.safetensors
+  exporter inspect ./checkpoint-folder --json
+"""
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="exporter", prog_name="exporter")
+def cli() -> None:
+    """Turn a trained checkpoint into validated, faster deployable artifacts."""
+
+
+@cli.command(epilog=CONVERT_EXAMPLES)
+@click.argument("checkpoint", type=click.Path(path_type=str))
+@click.option("--recipe", "-r", default="cpu-fp32", show_default=True, help="Built-in recipe name or a .toml path.")
+@click.option("--out", "-o", type=click.Path(path_type=str), default=None,
+              help="Output folder [default: artifacts/<model>/<recipe>].")
+@click.option("--model", "-m", "factory", default=None, metavar="MODULE:FUNCTION",
+              help="Factory that builds the nn.Module (gets config.json as a dict when present).")
+@click.option("--inputs", "inputs_file", type=click.Path(path_type=str), default=None,
+              help="Real samples: safetensors or .npz of named tensors.")
+@click.option("--allow-drift", is_flag=True, help="Report numerics failures as warnings (recorded in the report).")
+@click.option("--allow-pickle", is_flag=True, help="Load a pickle checkpoint with torch.load(weights_only=True).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress output.")
+@click.option("--json", "as_json", is_flag=True, help="Print report.json to stdout.")
+def convert(checkpoint, recipe, out, factory, inputs_file, allow_drift, allow_pickle, overwrite, quiet, as_json):
+    """Load CHECKPOINT, rewrite attention to SDPA, export, validate numerics, benchmark and report."""
+    from .api import convert as run_convert
+    from .progress import Progress
+
+    progress = Progress(enabled=not quiet)
+    result = run_convert(checkpoint, recipe, out, model=factory, inputs=inputs_file, allow_drift=allow_drift,
+                         allow_pickle=allow_pickle, overwrite=overwrite, progress=progress)
+    if as_json:
+        click.echo(json.dumps(result.report, indent=2, default=str))
+    else:
+        click.echo((result.out / "report.md").read_text(encoding="utf-8"))
+    for line in result.problems:
+        click.echo(f"error: {line}", err=True)
+    if result.report.get("allow_drift") and any(a["status"] == "numerics_failed" for a in result.report["artifacts"]
+                                                + [result.report["rewritten"]]):
+        click.echo("warning: numerics failures were allowed by --allow-drift", err=True)
+    click.echo(f"output: {result.out}", err=True)
+    sys.exit(result.exit_code)
+
+
+@cli.command(epilog=INSPECT_EXAMPLES)
+@click.argument("checkpoint", type=click.Path(path_type=str))
+@click.option("--recipe", "-r", default="cpu-fp32", show_default=True, help="Recipe whose input shapes to use.")
+@click.option("--model", "-m", "factory", default=None, metavar="MODULE:FUNCTION", help="Model factory.")
+@click.option("--inputs", "inputs_file", type=click.Path(path_type=str), default=None, help="Real samples file.")
+@click.option("--allow-pickle", is_flag=True, help="Load a pickle checkpoint with torch.load(weights_only=True).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def inspect(checkpoint, recipe, factory, inputs_file, allow_pickle, as_json):
+    """Show CHECKPOINT's architecture, parameters, dtypes and attention sites, without exporting."""
+    from .api import inspect as run_inspect
+
+    data = run_inspect(checkpoint, recipe, model=factory, inputs=inputs_file, allow_pickle=allow_pickle)
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    click.echo(f"checkpoint:   {data['checkpoint']} ({data['format']}, {data['bytes']:,} bytes, {data['tensors']} tensors)")
+    click.echo(f"architecture: {data['architecture']} ({data['architecture_source']})")
+    click.echo(f"parameters:   {data['parameters']:,}")
+    click.echo(f"dtypes:       {', '.join(f'{k} x{v}' for k, v in data['dtypes'].items())}")
+    click.echo(f"inputs:       {', '.join(f'{k} {v}' for k, v in data['inputs'].items())}")
+    click.echo(f"outputs:      {', '.join(data['outputs'])}")
+    att = data["attention"]
+    click.echo(f"attention:    {att['found']} found, {att['rewritten']} rewritable to SDPA, {att['skipped']} skipped")
+    for site in att["sites"]:
+        props = [k for k in ("causal", "masked", "grouped_query") if site.get(k)]
+        extra = f" head_dim={site['head_dim']}" if site.get("head_dim") else ""
+        reason = f" — {site['reason']}" if site.get("reason") else ""
+        click.echo(f"  {site['location']}: {site['kind']} [{site['status']}] {' '.join(props)}{extra}{reason}")
+
+
+@cli.group()
+def recipes() -> None:
+    """List and show the built-in recipes."""
+
+
+@recipes.command("list")
+def recipes_list():
+    """List the built-in recipes."""
+    from .recipe import builtin_names, load_recipe
+
+    for name in builtin_names():
+        recipe = load_recipe(name)
+        click.echo(f"{name:<20} {recipe.runtime.device:<5} {recipe.runtime.dtype:<9} {recipe.description}")
+
+
+@recipes.command("show")
+@click.argument("name")
+def recipes_show(name):
+    """Print a recipe file (built-in NAME or a path) after checking it."""
+    from pathlib import Path
+
+    from .recipe import builtin_path, load_recipe
+
+    recipe = load_recipe(name)
+    path = Path(recipe.source) if recipe.source else builtin_path(name)
+    click.echo(path.read_text(encoding="utf-8"), nl=False)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: run the CLI; turn ExporterError into one line and its exit code."""
+    debug = os.environ.get("EXPORTER_DEBUG") == "1"
+    try:
+        cli.main(args=argv, prog_name="exporter", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(EXIT_USAGE)
+    except click.exceptions.Abort:
+        click.echo("error: aborted", err=True)
+        sys.exit(130)
+    except ExporterError as exc:
+        if debug:
+            traceback.print_exc()
+        click.echo(f"error: {exc.one_line()}", err=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        click.echo("error: interrupted by SIGINT; no manifest was written, so the output is incomplete", err=True)
+        sys.exit(130)
+    except Exception as exc:  # a bug: say so in one line unless debugging
+        if debug:
+            traceback.print_exc()
+        else:
+            click.echo(f"error: internal error ({type(exc).__name__}: {exc}); "
+                       "rerun with EXPORTER_DEBUG=1 and report the traceback", err=True)
+        sys.exit(EXIT_INTERNAL)

@@ -1,0 +1,264 @@
+"""Model inputs: read from a file of real samples, or generated at the recipe's shapes with a fixed seed.
+
+Generated inputs follow the model's config: token ids inside the vocabulary,
+attention masks with real padding (every row after the first is padded at its
+end), pixel values at the configured image size. For a custom factory the
+recipe declares each input (``[[inputs.tensor]]``: name, shape in ints or dim
+names, dtype, value range). A dim whose ``min < max`` is dynamic and becomes a
+``torch.export.Dim``.
+
+A samples file is a safetensors (or ``.npz``) file of named tensors: ``input_ids``
+for one sample, or ``0.input_ids``, ``1.input_ids``... for several.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .errors import InputsError
+from .modelio import forward_parameters, is_transformers_model
+from .recipe import Dim, InputsSection, TensorSpec
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
+
+
+@dataclass
+class InputPlan:
+    """What the model takes: ordered specs, which axes are dynamic, and the samples."""
+
+    specs: tuple[TensorSpec, ...]
+    dims: tuple[Dim, ...]
+    samples: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    source: str = "generated"  # or the samples file's path
+    seed: int | None = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.specs)
+
+    def dynamic_axes(self) -> dict[str, dict[int, Dim]]:
+        by_name = {d.name: d for d in self.dims}
+        axes: dict[str, dict[int, Dim]] = {}
+        for spec in self.specs:
+            for axis, entry in enumerate(spec.shape):
+                if isinstance(entry, str) and by_name[entry].dynamic:
+                    axes.setdefault(spec.name, {})[axis] = by_name[entry]
+        return axes
+
+    def export_dynamic_shapes(self) -> dict[str, dict[int, Any]] | None:
+        """torch.export dynamic_shapes keyed by input name; one Dim object per named dim."""
+        axes = self.dynamic_axes()
+        if not axes:
+            return None
+        from torch.export import Dim as ExportDim
+
+        made: dict[str, Any] = {}
+        for dim in self.dims:
+            if dim.dynamic:
+                made[dim.name] = ExportDim(dim.name, min=dim.min, max=dim.max)
+        return {name: {axis: made[d.name] for axis, d in axes.get(name, {}).items()} or None
+                for name in self.names}
+
+
+# --------------------------------------------------------------------------- specs
+
+
+def _config_get(config: Any, *names: str, default=None):
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def infer_specs(model: nn.Module, section: InputsSection) -> tuple[TensorSpec, ...]:
+    """The declared tensors, else specs inferred from a transformers model's config."""
+    if section.tensors:
+        return section.tensors
+    if not is_transformers_model(model):
+        raise InputsError("the model's inputs are not declared and cannot be inferred without a transformers config",
+                          "declare them in the recipe ([[inputs.tensor]] with name, shape, dtype) or with --input")
+    params = forward_parameters(model)
+    config = model.config
+    batch = "batch" if section.dim("batch") else 1
+    if "input_ids" in params:
+        seq = "sequence" if section.dim("sequence") else 16
+        vocab = _config_get(config, "vocab_size")
+        if vocab is None and hasattr(config, "get_text_config"):
+            vocab = getattr(config.get_text_config(), "vocab_size", None)
+        if not vocab:
+            raise InputsError(f"cannot generate input_ids for {type(model).__name__}: its config has no vocab_size",
+                              "pass real samples with --inputs FILE")
+        specs = [TensorSpec("input_ids", (batch, seq), "int64", 0, int(vocab))]
+        if "attention_mask" in params:
+            specs.append(TensorSpec("attention_mask", (batch, seq), "int64", 0, 2))
+        return tuple(specs)
+    if "pixel_values" in params:
+        size = _config_get(config, "image_size", default=224)
+        height, width = (size, size) if isinstance(size, int) else tuple(size)[:2]
+        channels = _config_get(config, "num_channels", default=3)
+        return (TensorSpec("pixel_values", (batch, int(channels), int(height), int(width)), "float32", -1.0, 1.0),)
+    wanted = [n for n in params if n not in ("self", "kwargs")][:3]
+    raise InputsError(f"cannot generate inputs for {type(model).__name__} (its forward takes {', '.join(wanted)})",
+                      "declare them in the recipe ([[inputs.tensor]]) or pass real samples with --inputs FILE")
+
+
+def check_dims_declared(specs: tuple[TensorSpec, ...], dims: tuple[Dim, ...]) -> None:
+    names = {d.name for d in dims}
+    for spec in specs:
+        for entry in spec.shape:
+            if isinstance(entry, str) and entry not in names:
+                raise InputsError(f"input {spec.name} uses dim {entry!r}, which the recipe does not declare",
+                                  f"add {entry} to [inputs.dims] or use an integer size")
+
+
+def concrete_shape(spec: TensorSpec, sizes: dict[str, int]) -> tuple[int, ...]:
+    return tuple(sizes[e] if isinstance(e, str) else int(e) for e in spec.shape)
+
+
+# --------------------------------------------------------------------------- generation
+
+
+def generate_sample(specs: tuple[TensorSpec, ...], sizes: dict[str, int], seed: int,
+                    pad_token_id: int | None = None) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    sample: dict[str, torch.Tensor] = {}
+    for spec in specs:
+        shape = concrete_shape(spec, sizes)
+        dtype = DTYPES[spec.dtype]
+        if spec.name == "attention_mask" and len(shape) == 2:
+            sample[spec.name] = padding_mask(shape[0], shape[1], dtype)
+        elif dtype == torch.bool:
+            sample[spec.name] = torch.randint(0, 2, shape, generator=gen).bool()
+        elif not dtype.is_floating_point:
+            sample[spec.name] = torch.randint(int(spec.low), int(spec.high), shape, generator=gen, dtype=dtype)
+        else:
+            value = torch.rand(shape, generator=gen, dtype=torch.float64) * (spec.high - spec.low) + spec.low
+            sample[spec.name] = value.to(dtype)
+    mask = sample.get("attention_mask")
+    ids = sample.get("input_ids")
+    if mask is not None and ids is not None and pad_token_id is not None and ids.shape == mask.shape:
+        sample["input_ids"] = torch.where(mask.bool(), ids, torch.full_like(ids, int(pad_token_id)))
+    return sample
+
+
+def padding_mask(batch: int, seq: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Row 0 is full; row i > 0 keeps a shrinking prefix (right padding), never fewer than one token."""
+    mask = torch.ones(batch, seq, dtype=dtype)
+    for row in range(1, batch):
+        keep = max(1, seq - max(1, (seq * row) // (batch + 1)))
+        mask[row, keep:] = 0
+    return mask
+
+
+def plan_inputs(model: nn.Module, section: InputsSection, samples_file: str | Path | None = None) -> InputPlan:
+    specs = infer_specs(model, section)
+    check_dims_declared(specs, section.dims)
+    plan = InputPlan(specs=specs, dims=section.dims, seed=section.seed)
+    if samples_file is not None:
+        plan.samples = read_samples(Path(samples_file), specs, section.dims)
+        plan.source = str(samples_file)
+        plan.seed = None
+        return plan
+    sizes = {d.name: d.size for d in section.dims}
+    pad = getattr(getattr(model, "config", None), "pad_token_id", None)
+    plan.samples = [generate_sample(specs, sizes, section.seed + i, pad) for i in range(section.samples)]
+    if any(s.name == "attention_mask" for s in specs) and sizes.get("batch", 1) < 2:
+        plan.notes.append("batch size 1: the generated attention mask has no padding")
+    return plan
+
+
+# --------------------------------------------------------------------------- samples files
+
+_INDEXED = re.compile(r"^(\d+)\.(.+)$")
+
+
+def _read_named_tensors(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise InputsError(f"inputs file {path} does not exist", "check the path given to --inputs")
+    if path.suffix == ".npz":
+        import numpy as np
+
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                return {k: torch.from_numpy(data[k].copy()) for k in data.files}
+        except Exception as exc:
+            raise InputsError(f"inputs file {path} is not a readable .npz ({type(exc).__name__})",
+                              "save it with numpy.savez") from None
+    from safetensors.torch import load_file
+
+    from .checkpoint.files import read_header
+    from .errors import CheckpointError
+
+    try:
+        read_header(path)
+        return load_file(str(path))
+    except CheckpointError as exc:
+        raise InputsError(f"inputs file {exc.message}", "save the samples with safetensors.torch.save_file") from None
+    except Exception as exc:
+        raise InputsError(f"inputs file {path} is not a readable safetensors file ({type(exc).__name__})",
+                          "save the samples with safetensors.torch.save_file") from None
+
+
+def read_samples(path: Path, specs: tuple[TensorSpec, ...], dims: tuple[Dim, ...]) -> list[dict[str, torch.Tensor]]:
+    tensors = _read_named_tensors(path)
+    groups: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        match = _INDEXED.match(key)
+        index, name = (int(match.group(1)), match.group(2)) if match else (0, key)
+        groups.setdefault(index, {})[name] = value
+    if not groups:
+        raise InputsError(f"inputs file {path} holds no tensors", "save at least one sample")
+    expected = [s.name for s in specs]
+    by_dim = {d.name: d for d in dims}
+    samples = []
+    for index in sorted(groups):
+        group = groups[index]
+        label = f"sample {index} of {path.name}"
+        missing = [n for n in expected if n not in group]
+        extra = [n for n in group if n not in expected]
+        if missing or extra:
+            parts = []
+            if missing:
+                parts.append(f"missing {', '.join(missing)}")
+            if extra:
+                parts.append(f"unexpected {', '.join(extra)}")
+            raise InputsError(f"{label}: {'; '.join(parts)} (the model takes {', '.join(expected)})",
+                              "name the tensors after the model's inputs")
+        sample = {}
+        for spec in specs:
+            value = group[spec.name]
+            want = DTYPES[spec.dtype]
+            if value.is_floating_point() != want.is_floating_point or (value.dtype == torch.bool) != (want == torch.bool):
+                raise InputsError(f"{label}: {spec.name} has dtype {str(value.dtype).replace('torch.', '')}, "
+                                  f"the model takes {spec.dtype}", f"save {spec.name} as {spec.dtype}")
+            if value.dim() != len(spec.shape):
+                raise InputsError(f"{label}: {spec.name} has {value.dim()} dims {list(value.shape)}, "
+                                  f"the model takes {len(spec.shape)} {list(spec.shape)}",
+                                  f"save {spec.name} with shape {list(spec.shape)}")
+            for axis, entry in enumerate(spec.shape):
+                size = value.shape[axis]
+                if isinstance(entry, int) and size != entry:
+                    raise InputsError(f"{label}: {spec.name} has size {size} on axis {axis}, the model takes {entry}",
+                                      f"save {spec.name} with shape {list(spec.shape)}")
+                if isinstance(entry, str):
+                    dim = by_dim[entry]
+                    if not dim.min <= size <= dim.max:
+                        raise InputsError(f"{label}: {spec.name} has {entry}={size} on axis {axis}, outside the "
+                                          f"recipe's range {dim.min}..{dim.max}", f"widen inputs.dims.{entry} in the recipe")
+            sample[spec.name] = value.to(want) if value.dtype != want else value
+        samples.append(sample)
+    return samples
+
+
+def cast_sample(sample: dict[str, torch.Tensor], dtype: torch.dtype, device: str | torch.device = "cpu") -> list[torch.Tensor]:
+    """Floating inputs to ``dtype``, everything to ``device``, in sample order."""
+    return [(v.to(dtype) if v.is_floating_point() else v).to(device) for v in sample.values()]

@@ -1,0 +1,118 @@
+"""A uniform calling convention for every model: named tensor inputs in, a tuple of named tensors out.
+
+Exporters and runtimes want flat tensor signatures with stable names; models
+return tensors, tuples, dicts or Hugging Face ``ModelOutput`` objects and take
+keyword arguments such as ``use_cache``. :class:`IOModule` wraps a model so
+that ``forward(input_ids, attention_mask) -> (last_hidden_state, ...)`` holds
+for all of them, with real names that the ONNX graph and the exported program
+carry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .errors import InputsError
+
+
+@dataclass(frozen=True)
+class Signature:
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+def is_transformers_model(model: nn.Module) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return isinstance(model, PreTrainedModel)
+
+
+def forward_parameters(model: nn.Module) -> dict[str, inspect.Parameter]:
+    return dict(inspect.signature(model.forward).parameters)
+
+
+def flatten_outputs(result: Any) -> list[tuple[str, torch.Tensor]]:
+    """Name the tensors a model returned: 'output', 'output_0..', or dict/ModelOutput keys."""
+    if isinstance(result, torch.Tensor):
+        return [("output", result)]
+    if isinstance(result, dict) or hasattr(result, "keys"):
+        return [(str(k), v) for k, v in result.items() if isinstance(v, torch.Tensor)]
+    if isinstance(result, (list, tuple)):
+        return [(f"output_{i}", v) for i, v in enumerate(result) if isinstance(v, torch.Tensor)]
+    raise InputsError(f"the model returned {type(result).__name__}, not tensors",
+                      "return a tensor, a tuple of tensors or a dict of tensors from forward()")
+
+
+@contextlib.contextmanager
+def attention_implementation(model: nn.Module, name: str | None):
+    """Temporarily switch a transformers model's attention implementation (restored on exit)."""
+    if name is None or not is_transformers_model(model) or model.config._attn_implementation == name:
+        yield
+        return
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
+class IOModule(nn.Module):
+    """forward(*inputs, in signature order) -> tuple of outputs, in signature order."""
+
+    def __init__(self, model: nn.Module, signature: Signature, attn_implementation: str | None = None):
+        super().__init__()
+        self.model = model
+        self.signature = signature
+        self.attn_implementation = attn_implementation
+        params = forward_parameters(model)
+        self._extra: dict[str, Any] = {}
+        if is_transformers_model(model):
+            for key, value in (("use_cache", False), ("return_dict", True)):
+                if key in params:
+                    self._extra[key] = value
+
+    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        kwargs = dict(zip(self.signature.inputs, args))
+        with attention_implementation(self.model, self.attn_implementation):
+            result = self.model(**kwargs, **self._extra)
+        named = dict(flatten_outputs(result))
+        return tuple(named[name] for name in self.signature.outputs)
+
+
+def make_io_module(model: nn.Module, signature: Signature, attn_implementation: str | None = None) -> IOModule:
+    """An IOModule whose forward signature lists the real input names, so exported graphs carry them."""
+    params = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in ("self",) + signature.inputs]
+
+    def forward(self, *args):
+        return IOModule.forward(self, *args)
+
+    forward.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    cls = type("IOModule", (IOModule,), {"forward": forward})
+    return cls(model, signature, attn_implementation)
+
+
+def discover_outputs(model: nn.Module, inputs: dict[str, torch.Tensor], wanted: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """Run once and name the tensor outputs; keep ``wanted`` (in that order) when given."""
+    probe = IOModule(model, Signature(tuple(inputs), ()))
+    with torch.inference_mode():
+        kwargs = dict(inputs)
+        result = model(**kwargs, **probe._extra)
+    names = [n for n, _ in flatten_outputs(result)]
+    if not names:
+        raise InputsError("the model returned no tensors", "return at least one tensor from forward()")
+    if wanted:
+        unknown = [w for w in wanted if w not in names]
+        if unknown:
+            raise InputsError(f"model.outputs names {', '.join(unknown)}, but the model returns {', '.join(names)}",
+                              "list only outputs the model returns in the recipe's model.outputs")
+        return tuple(wanted)
+    return tuple(names)

@@ -1,0 +1,128 @@
+"""Numerics: comparison metrics and the tolerance policy.
+
+The reference is the original model (eager attention, not rewritten) run in
+float64 on the CPU. Each candidate is compared with it per sample and per
+output. The gate is the rule PyTorch's own benchmark harness uses
+(``torch._dynamo.utils.same`` with an fp64 reference): a candidate passes when
+
+    rmse(candidate, ref64) <= k * rmse(eager_in_same_dtype, ref64) + atol
+
+so a candidate may be at most ``k`` times as wrong as the original model
+already is at that precision, plus an absolute floor. ``k`` defaults to 2 for
+float32 and 3 for bfloat16/float16. NaN or Inf where the reference is finite
+always fails; integer and boolean outputs must match exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+Outputs = list[torch.Tensor]  # one model run: outputs in signature order
+
+
+@dataclass
+class OutputCheck:
+    output: str
+    sample: int
+    max_abs: float
+    max_rel: float
+    rel_l2: float
+    cosine: float
+    rmse: float
+    baseline_rmse: float
+    allowed_rmse: float
+    passed: bool
+    reason: str = ""
+
+
+@dataclass
+class CandidateNumerics:
+    candidate: str
+    passed: bool
+    k: float
+    atol: float
+    baseline: str  # which eager run set the bar, e.g. "eager (cuda, bfloat16)"
+    worst: list[OutputCheck] = field(default_factory=list)  # worst sample for each output
+    failures: list[OutputCheck] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"candidate": self.candidate, "passed": self.passed, "k": self.k, "atol": self.atol,
+                "baseline": self.baseline, "outputs": [asdict(c) for c in self.worst],
+                "failures": [asdict(c) for c in self.failures]}
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else float("inf")
+
+
+def metrics(reference: torch.Tensor, candidate: torch.Tensor) -> dict[str, float]:
+    """max abs, max rel, relative L2, cosine and RMSE of ``candidate`` against ``reference`` (in float64)."""
+    ref = reference.detach().to("cpu", torch.float64).reshape(-1)
+    cand = candidate.detach().to("cpu", torch.float64).reshape(-1)
+    if ref.numel() == 0:
+        return {"max_abs": 0.0, "max_rel": 0.0, "rel_l2": 0.0, "cosine": 1.0, "rmse": 0.0}
+    diff = (cand - ref).abs()
+    max_abs = float(diff.max())
+    max_rel = float((diff / ref.abs().clamp_min(1e-12)).max())
+    ref_norm = float(ref.norm())
+    rel_l2 = float((cand - ref).norm()) / ref_norm if ref_norm > 0 else float((cand - ref).norm())
+    denom = float(ref.norm() * cand.norm())
+    cosine = float(ref @ cand) / denom if denom > 0 else (1.0 if max_abs == 0 else 0.0)
+    rmse = float(((cand - ref) ** 2).mean().sqrt())
+    return {"max_abs": _finite(max_abs), "max_rel": _finite(max_rel), "rel_l2": _finite(rel_l2),
+            "cosine": cosine if math.isfinite(cosine) else 0.0, "rmse": _finite(rmse)}
+
+
+def check_output(name: str, sample: int, reference: torch.Tensor, baseline: torch.Tensor, candidate: torch.Tensor,
+                 k: float, atol: float) -> OutputCheck:
+    if tuple(candidate.shape) != tuple(reference.shape):
+        return OutputCheck(name, sample, math.inf, math.inf, math.inf, 0.0, math.inf, 0.0, 0.0, False,
+                           f"shape {list(candidate.shape)} differs from the reference's {list(reference.shape)}")
+    if not reference.is_floating_point():
+        equal = bool(torch.equal(candidate.cpu().to(reference.dtype), reference.cpu()))
+        value = 0.0 if equal else math.inf
+        return OutputCheck(name, sample, value, value, value, 1.0 if equal else 0.0, value, 0.0, 0.0, equal,
+                           "" if equal else "integer output differs")
+    m = metrics(reference, candidate)
+    base = metrics(reference, baseline)["rmse"]
+    allowed = k * base + atol
+    ref_finite = torch.isfinite(reference.cpu())
+    cand_finite = torch.isfinite(candidate.detach().cpu())
+    nonfinite = int((ref_finite & ~cand_finite).sum())
+    reason = ""
+    passed = m["rmse"] <= allowed
+    if nonfinite:
+        passed = False
+        reason = f"{nonfinite} NaN/Inf value(s) where the reference is finite"
+    elif not passed:
+        reason = f"rmse {m['rmse']:.3g} > allowed {allowed:.3g} (k={k:g} x baseline {base:.3g} + atol {atol:g})"
+    return OutputCheck(name, sample, m["max_abs"], m["max_rel"], m["rel_l2"], m["cosine"], m["rmse"], base,
+                       allowed, passed, reason)
+
+
+def judge(candidate: str, output_names: tuple[str, ...], reference: list[Outputs], baseline: list[Outputs],
+          outputs: list[Outputs], k: float, atol: float, baseline_label: str) -> CandidateNumerics:
+    """Compare every sample and output; keep each output's worst sample and every failure."""
+    result = CandidateNumerics(candidate, True, k, atol, baseline_label)
+    worst: dict[str, OutputCheck] = {}
+    for index, (ref, base, cand) in enumerate(zip(reference, baseline, outputs)):
+        if len(cand) != len(output_names):
+            check = OutputCheck("*", index, math.inf, math.inf, math.inf, 0.0, math.inf, 0.0, 0.0, False,
+                                f"returned {len(cand)} outputs, expected {len(output_names)}")
+            result.failures.append(check)
+            result.passed = False
+            continue
+        for name, r, b, c in zip(output_names, ref, base, cand):
+            check = check_output(name, index, r, b, c, k, atol)
+            if not check.passed:
+                result.failures.append(check)
+                result.passed = False
+            current = worst.get(name)
+            ratio = check.rmse / check.allowed_rmse if check.allowed_rmse > 0 else check.rmse
+            if current is None or ratio > (current.rmse / current.allowed_rmse if current.allowed_rmse > 0 else current.rmse):
+                worst[name] = check
+    result.worst = [worst[n] for n in output_names if n in worst]
+    return result

@@ -1,0 +1,140 @@
+"""The output folder: staged, locked, atomically published.
+
+A run writes into a hidden staging folder beside the output folder and renames
+it into place only when every file, ``manifest.json`` last, is written. So the
+output folder is either complete or absent; an interrupted run leaves no
+manifest behind. A lock file beside the output folder makes a second run into
+the same folder fail at once instead of mixing two runs. An existing output
+folder is replaced only with ``overwrite``.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .errors import OutputError
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def write_atomic(path: Path, data: bytes | str) -> None:
+    """Write ``data`` to ``path`` completely or not at all (temp file, fsync, rename)."""
+    path = Path(path)
+    payload = data.encode("utf-8") if isinstance(data, str) else data
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(payload)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise _os_problem(exc, path) from None
+
+
+def write_json(path: Path, value: Any) -> None:
+    write_atomic(path, json.dumps(value, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def _os_problem(exc: OSError, path: Path) -> OutputError:
+    if exc.errno == errno.ENOSPC:
+        return OutputError(f"the disk filled up while writing {path}", "free disk space or choose another --out")
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return OutputError(f"cannot write {path}: {exc.strerror}", "choose a writable --out folder")
+    return OutputError(f"cannot write {path}: {exc.strerror or exc}", "check the --out folder")
+
+
+def os_problem(exc: OSError, path: Path) -> OutputError:
+    return _os_problem(exc, path)
+
+
+class OutputFolder:
+    """Stage files for ``final``; ``publish()`` moves them into place; ``discard()`` removes them."""
+
+    def __init__(self, final: Path, overwrite: bool = False):
+        self.final = Path(final).resolve()
+        self.overwrite = overwrite
+        self.lock_path = self.final.parent / f".{self.final.name}.lock"
+        self.staging: Path | None = None
+        self._lock_fd: int | None = None
+
+    def __enter__(self) -> "OutputFolder":
+        self.open()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.discard()
+        self.release()
+
+    def open(self) -> Path:
+        if self.final.exists() and not self.final.is_dir():
+            raise OutputError(f"output path {self.final} exists and is not a folder", "choose another --out")
+        if self.final.is_dir() and any(self.final.iterdir()) and not self.overwrite:
+            raise OutputError(f"output folder {self.final} already holds a run",
+                              "pass --overwrite to replace it, or choose another --out")
+        try:
+            self.final.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise _os_problem(exc, self.final.parent) from None
+        if not os.access(self.final.parent, os.W_OK):
+            raise OutputError(f"output folder {self.final.parent} is not writable", "choose a writable --out folder")
+        try:
+            self._lock_fd = os.open(self.lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+            raise OutputError(f"another exporter run is writing {self.final}",
+                              "wait for it to finish, or choose another --out") from None
+        except OSError as exc:
+            raise _os_problem(exc, self.lock_path) from None
+        try:
+            self.staging = Path(tempfile.mkdtemp(prefix=f".{self.final.name}.partial-", dir=self.final.parent))
+            os.chmod(self.staging, 0o777 & ~_umask())
+        except OSError as exc:
+            self.release()
+            raise _os_problem(exc, self.final.parent) from None
+        return self.staging
+
+    def publish(self) -> Path:
+        """Replace the output folder with the staged one (the old run, if any, is removed first)."""
+        assert self.staging is not None
+        if self.final.exists():
+            trash = self.final.parent / f".{self.final.name}.old-{os.getpid()}"
+            os.replace(self.final, trash)
+            os.replace(self.staging, self.final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(self.staging, self.final)
+        self.staging = None
+        return self.final
+
+    def discard(self) -> None:
+        if self.staging is not None:
+            shutil.rmtree(self.staging, ignore_errors=True)
+            self.staging = None
+
+    def release(self) -> None:
+        if self._lock_fd is not None:
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+                os.close(self._lock_fd)
+            finally:
+                self._lock_fd = None  # the lock file stays: unlinking it would race with a waiting run

@@ -1,0 +1,46 @@
+"""Build the original and the rewritten model from a checkpoint: shared by convert and the child runners."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .checkpoint import LoadedModel, load_model
+from .inputs import DTYPES
+from .modelio import IOModule, Signature, make_io_module
+from .rewrite import AttentionAudit, rewrite_attention
+from .runners import ModelSource
+
+
+@dataclass
+class Prepared:
+    loaded: LoadedModel
+    original: IOModule  # eager attention, as the checkpoint's author wrote it
+    rewritten: IOModule  # attention routed through SDPA; shares the original's weights
+    audit: AttentionAudit
+
+
+def original_module(loaded: LoadedModel, signature: Signature) -> IOModule:
+    return make_io_module(loaded.model, signature, "eager" if loaded.architecture.is_transformers else None)
+
+
+def rewrite(original: IOModule, example: list[torch.Tensor]) -> tuple[IOModule, AttentionAudit]:
+    return rewrite_attention(original, example)
+
+
+def from_source(source: ModelSource) -> Prepared:
+    """Rebuild what convert built, in another process: load, wrap, rewrite (audited on the stored sample 0)."""
+    from safetensors.torch import load_file
+
+    loaded = load_model(source.checkpoint, source.factory, source.allow_pickle)
+    signature = Signature(source.inputs, source.outputs)
+    original = original_module(loaded, signature)
+    stored = load_file(source.example_file)
+    example = [stored[f"0.{name}"] for name in source.inputs]
+    rewritten, audit = rewrite(original, example)
+    return Prepared(loaded, original, rewritten, audit)
+
+
+def place(module: torch.nn.Module, device: str, dtype: str) -> torch.nn.Module:
+    return module.to(device=device, dtype=DTYPES[dtype])

@@ -1,0 +1,44 @@
+"""Progress for the long stages, on stderr, so stdout stays clean for machine-readable output."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+from rich.console import Console
+
+
+class Progress:
+    def __init__(self, enabled: bool = True, console: Console | None = None):
+        self.enabled = enabled
+        self.console = console or Console(stderr=True, highlight=False)
+        self.timings: dict[str, float] = {}
+
+    def info(self, message: str) -> None:
+        if self.enabled:
+            self.console.print(f"  {message}")
+
+    def warn(self, message: str) -> None:
+        if self.enabled:
+            self.console.print(f"  [yellow]warning:[/] {message}")
+
+    @contextlib.contextmanager
+    def stage(self, name: str, detail: str = ""):
+        t0 = time.perf_counter()
+        label = f"{name}{': ' + detail if detail else ''}"
+        status = (self.console.status(f"{label} ...") if self.enabled and self.console.is_terminal
+                  else contextlib.nullcontext())
+        if self.enabled and not self.console.is_terminal:
+            self.console.print(f"{label} ...")
+        try:
+            with status:
+                yield
+        except BaseException:
+            self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - t0
+            if self.enabled:
+                self.console.print(f"[red]✗[/] {label} failed after {time.perf_counter() - t0:.1f} s")
+            raise
+        elapsed = time.perf_counter() - t0
+        self.timings[name] = self.timings.get(name, 0.0) + elapsed
+        if self.enabled:
+            self.console.print(f"[green]✓[/] {label} ({elapsed:.1f} s)")

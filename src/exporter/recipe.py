@@ -1,0 +1,432 @@
+"""Recipes: named, versioned run settings parsed into frozen, typed objects.
+
+A recipe is a TOML file. Parsing checks every key and value and reports every
+problem at once; unknown keys are errors, so a typo never silently falls back
+to a default. The defaults live here and nowhere else.
+
+Built-in recipes ship in the wheel as ``exporter/recipes/*.toml`` and, in a
+source checkout, live in the top-level ``recipes/`` folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.resources
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import RecipeError
+
+SCHEMA_VERSION = 1
+
+DEVICES = ("cpu", "cuda")
+DTYPES = ("float32", "bfloat16", "float16")
+TENSOR_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "bool")
+ATTENTION_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
+TARGETS = ("exported_program", "aoti", "onnx", "compile", "tensorrt")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+ONNX_DTYPES = ("auto", "float32", "recipe")
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+@dataclass(frozen=True)
+class Dim:
+    """A named input dimension. It is dynamic when ``min < max``."""
+
+    name: str
+    size: int
+    min: int
+    max: int
+
+    @property
+    def dynamic(self) -> bool:
+        return self.min < self.max
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A declared model input: shape entries are ints or names of dims."""
+
+    name: str
+    shape: tuple[int | str, ...]
+    dtype: str = "float32"
+    low: float = -1.0
+    high: float = 1.0
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    factory: str | None = None
+    outputs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class RuntimeSection:
+    device: str = "cpu"
+    dtype: str = "float32"
+    attention_backend: str = "auto"
+
+
+@dataclass(frozen=True)
+class TargetsSection:
+    build: tuple[str, ...] = ("exported_program", "aoti", "onnx")
+    compile_modes: tuple[str, ...] = ("default",)
+    compile_dynamic: bool = False
+    onnx_opset: int = 23
+    onnx_dtype: str = "auto"
+
+
+@dataclass(frozen=True)
+class InputsSection:
+    seed: int = 0
+    samples: int = 2
+    dims: tuple[Dim, ...] = (Dim("batch", 2, 1, 16), Dim("sequence", 32, 2, 128))
+    tensors: tuple[TensorSpec, ...] = ()
+
+    def dim(self, name: str) -> Dim | None:
+        return next((d for d in self.dims if d.name == name), None)
+
+
+@dataclass(frozen=True)
+class NumericsSection:
+    k: float | None = None  # None: 2 for float32, 3 for bfloat16/float16
+    atol: float = 1e-5
+
+    def multiplier(self, dtype: str) -> float:
+        if self.k is not None:
+            return self.k
+        return 2.0 if dtype in ("float32", "float64") else 3.0
+
+
+@dataclass(frozen=True)
+class BenchSection:
+    warmup: int = 5
+    rounds: int = 5
+    iterations: int = 10
+    peak_tflops: float = 0.0  # the device's dense matmul ceiling; 0 means unknown
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    description: str = ""
+    schema_version: int = SCHEMA_VERSION
+    model: ModelSection = field(default_factory=ModelSection)
+    runtime: RuntimeSection = field(default_factory=RuntimeSection)
+    targets: TargetsSection = field(default_factory=TargetsSection)
+    inputs: InputsSection = field(default_factory=InputsSection)
+    numerics: NumericsSection = field(default_factory=NumericsSection)
+    bench: BenchSection = field(default_factory=BenchSection)
+    source: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def with_factory(self, factory: str | None) -> "Recipe":
+        if not factory:
+            return self
+        _check_factory(factory)
+        return dataclasses.replace(self, model=dataclasses.replace(self.model, factory=factory))
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+class _Problems:
+    def __init__(self, source: str):
+        self.source = source
+        self.items: list[str] = []
+
+    def add(self, where: str, what: str) -> None:
+        self.items.append(f"{where}: {what}")
+
+    def raise_if_any(self) -> None:
+        if self.items:
+            listing = "; ".join(self.items)
+            raise RecipeError(
+                f"recipe {self.source} has {len(self.items)} problem(s): {listing}",
+                "correct the recipe file (see docs/recipes.md for every key)",
+            )
+
+
+def _typename(value: Any) -> str:
+    return type(value).__name__
+
+
+def _get(table: dict, key: str, kind: type | tuple, default: Any, where: str, problems: _Problems) -> Any:
+    if key not in table:
+        return default
+    value = table[key]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if isinstance(value, bool) and bool not in kinds:
+        problems.add(f"{where}.{key}", f"expected {kinds[0].__name__}, got bool")
+        return default
+    if not isinstance(value, kinds):
+        problems.add(f"{where}.{key}", f"expected {kinds[0].__name__}, got {_typename(value)} {value!r}")
+        return default
+    return value
+
+
+def _choice(value: Any, allowed: tuple, where: str, problems: _Problems) -> None:
+    if value not in allowed:
+        problems.add(where, f"{value!r} is not one of {', '.join(allowed)}")
+
+
+def _unknown(table: dict, known: set[str], where: str, problems: _Problems) -> None:
+    for key in table:
+        if key not in known:
+            near = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            problems.add(f"{where}.{key}" if where else key, f"unknown key{hint}")
+
+
+def _str_list(table: dict, key: str, default: tuple, where: str, problems: _Problems) -> tuple[str, ...]:
+    value = _get(table, key, list, list(default), where, problems)
+    if not all(isinstance(v, str) for v in value):
+        problems.add(f"{where}.{key}", "expected a list of strings")
+        return default
+    return tuple(value)
+
+
+def _check_factory(text: str) -> None:
+    if not _FACTORY.match(text):
+        raise RecipeError(f"model factory {text!r} is not of the form package.module:function",
+                          "pass it as --model package.module:function")
+
+
+def _parse_dims(table: Any, problems: _Problems) -> tuple[Dim, ...]:
+    where = "inputs.dims"
+    if not isinstance(table, dict):
+        problems.add(where, f"expected a table, got {_typename(table)}")
+        return InputsSection().dims
+    dims = []
+    for name, spec in table.items():
+        at = f"{where}.{name}"
+        if not _NAME.match(name):
+            problems.add(at, "dim names are identifiers")
+            continue
+        if isinstance(spec, int) and not isinstance(spec, bool):
+            spec = {"size": spec}
+        if not isinstance(spec, dict):
+            problems.add(at, f"expected an int or a table with size/min/max, got {_typename(spec)}")
+            continue
+        _unknown(spec, {"size", "min", "max"}, at, problems)
+        size = _get(spec, "size", int, None, at, problems)
+        if size is None:
+            problems.add(at, "size is required")
+            continue
+        lo = _get(spec, "min", int, size, at, problems)
+        hi = _get(spec, "max", int, size, at, problems)
+        if size < 1 or lo < 1:
+            problems.add(at, "sizes must be at least 1")
+        elif not lo <= size <= hi:
+            problems.add(at, f"needs min <= size <= max, got min={lo} size={size} max={hi}")
+        elif lo < hi and size < 2:
+            problems.add(at, "a dynamic dim needs size >= 2 (torch.export specialises sizes 0 and 1)")
+        dims.append(Dim(name, size, lo, hi))
+    return tuple(dims)
+
+
+def _parse_tensors(items: Any, dims: tuple[Dim, ...], problems: _Problems) -> tuple[TensorSpec, ...]:
+    where = "inputs.tensor"
+    if not isinstance(items, list):
+        problems.add(where, "expected an array of tables ([[inputs.tensor]])")
+        return ()
+    names = {d.name for d in dims}
+    specs = []
+    for i, item in enumerate(items):
+        at = f"{where}[{i}]"
+        if not isinstance(item, dict):
+            problems.add(at, "expected a table")
+            continue
+        _unknown(item, {"name", "shape", "dtype", "low", "high"}, at, problems)
+        name = _get(item, "name", str, "", at, problems)
+        if not _NAME.match(name or ""):
+            problems.add(f"{at}.name", "required, an identifier")
+        shape = _get(item, "shape", list, [], at, problems)
+        for entry in shape:
+            if isinstance(entry, bool) or not isinstance(entry, (int, str)):
+                problems.add(f"{at}.shape", f"entries are ints or dim names, got {entry!r}")
+            elif isinstance(entry, int) and entry < 1:
+                problems.add(f"{at}.shape", f"sizes must be at least 1, got {entry}")
+            elif isinstance(entry, str) and entry not in names:
+                problems.add(f"{at}.shape", f"dim {entry!r} is not declared in [inputs.dims]")
+        dtype = _get(item, "dtype", str, "float32", at, problems)
+        _choice(dtype, TENSOR_DTYPES, f"{at}.dtype", problems)
+        low = _get(item, "low", float, 0.0 if dtype in ("int64", "int32") else -1.0, at, problems)
+        high = _get(item, "high", float, 2.0 if dtype == "bool" else 1.0, at, problems)
+        if low >= high:
+            problems.add(at, f"needs low < high, got low={low} high={high}")
+        specs.append(TensorSpec(name, tuple(shape), dtype, low, high))
+    seen = [s.name for s in specs]
+    for dup in sorted({n for n in seen if seen.count(n) > 1}):
+        problems.add(where, f"input {dup!r} is declared twice")
+    return tuple(specs)
+
+
+def parse_recipe(data: dict, name: str, source: str) -> Recipe:
+    """Build a Recipe from parsed TOML, listing every problem at once."""
+    p = _Problems(source)
+    sections = {"model", "runtime", "targets", "inputs", "numerics", "bench"}
+    _unknown(data, {"schema_version", "description"} | sections, "", p)
+    version = _get(data, "schema_version", int, None, "recipe", p)
+    if version is None and "schema_version" not in data:
+        p.add("schema_version", f"required (this exporter reads version {SCHEMA_VERSION})")
+    elif version is not None and version != SCHEMA_VERSION:
+        p.add("schema_version", f"version {version} is not supported; this exporter reads {SCHEMA_VERSION}")
+    description = _get(data, "description", str, "", "recipe", p)
+
+    def table(key: str) -> dict:
+        value = data.get(key, {})
+        if not isinstance(value, dict):
+            p.add(key, f"expected a table, got {_typename(value)}")
+            return {}
+        return value
+
+    t = table("model")
+    _unknown(t, {"factory", "outputs"}, "model", p)
+    factory = _get(t, "factory", str, None, "model", p)
+    if factory is not None and not _FACTORY.match(factory):
+        p.add("model.factory", f"{factory!r} is not of the form package.module:function")
+    model = ModelSection(factory=factory, outputs=_str_list(t, "outputs", (), "model", p))
+
+    t = table("runtime")
+    d = RuntimeSection()
+    _unknown(t, {f.name for f in dataclasses.fields(RuntimeSection)}, "runtime", p)
+    runtime = RuntimeSection(
+        device=_get(t, "device", str, d.device, "runtime", p),
+        dtype=_get(t, "dtype", str, d.dtype, "runtime", p),
+        attention_backend=_get(t, "attention_backend", str, d.attention_backend, "runtime", p),
+    )
+    _choice(runtime.device, DEVICES, "runtime.device", p)
+    _choice(runtime.dtype, DTYPES, "runtime.dtype", p)
+    _choice(runtime.attention_backend, ATTENTION_BACKENDS, "runtime.attention_backend", p)
+    if runtime.device == "cpu" and runtime.attention_backend in ("flash", "cudnn"):
+        p.add("runtime.attention_backend", f"{runtime.attention_backend!r} needs device 'cuda'")
+
+    t = table("targets")
+    d = TargetsSection()
+    _unknown(t, {f.name for f in dataclasses.fields(TargetsSection)}, "targets", p)
+    targets = TargetsSection(
+        build=_str_list(t, "build", d.build, "targets", p),
+        compile_modes=_str_list(t, "compile_modes", d.compile_modes, "targets", p),
+        compile_dynamic=_get(t, "compile_dynamic", bool, d.compile_dynamic, "targets", p),
+        onnx_opset=_get(t, "onnx_opset", int, d.onnx_opset, "targets", p),
+        onnx_dtype=_get(t, "onnx_dtype", str, d.onnx_dtype, "targets", p),
+    )
+    for target in targets.build:
+        _choice(target, TARGETS, "targets.build", p)
+    if len(set(targets.build)) != len(targets.build):
+        p.add("targets.build", "a target is listed twice")
+    for mode in targets.compile_modes:
+        _choice(mode, COMPILE_MODES, "targets.compile_modes", p)
+    if "compile" in targets.build and not targets.compile_modes:
+        p.add("targets.compile_modes", "target 'compile' is listed but no mode is given")
+    if not 18 <= targets.onnx_opset <= 24:
+        p.add("targets.onnx_opset", f"must be between 18 and 24, got {targets.onnx_opset}")
+    _choice(targets.onnx_dtype, ONNX_DTYPES, "targets.onnx_dtype", p)
+    if runtime.device == "cpu":
+        for mode in targets.compile_modes:
+            if "compile" in targets.build and mode == "reduce-overhead":
+                p.add("targets.compile_modes", "'reduce-overhead' captures CUDA graphs and needs device 'cuda'")
+
+    t = table("inputs")
+    d = InputsSection()
+    _unknown(t, {"seed", "samples", "dims", "tensor"}, "inputs", p)
+    dims = _parse_dims(t["dims"], p) if "dims" in t else d.dims
+    inputs = InputsSection(
+        seed=_get(t, "seed", int, d.seed, "inputs", p),
+        samples=_get(t, "samples", int, d.samples, "inputs", p),
+        dims=dims,
+        tensors=_parse_tensors(t["tensor"], dims, p) if "tensor" in t else (),
+    )
+    if not 1 <= inputs.samples <= 64:
+        p.add("inputs.samples", f"must be between 1 and 64, got {inputs.samples}")
+
+    t = table("numerics")
+    d = NumericsSection()
+    _unknown(t, {"k", "atol"}, "numerics", p)
+    numerics = NumericsSection(k=_get(t, "k", float, d.k, "numerics", p), atol=_get(t, "atol", float, d.atol, "numerics", p))
+    if numerics.k is not None and not numerics.k >= 1.0:
+        p.add("numerics.k", f"must be at least 1, got {numerics.k}")
+    if not numerics.atol >= 0.0:
+        p.add("numerics.atol", f"must be non-negative, got {numerics.atol}")
+
+    t = table("bench")
+    d = BenchSection()
+    _unknown(t, {f.name for f in dataclasses.fields(BenchSection)}, "bench", p)
+    bench = BenchSection(
+        warmup=_get(t, "warmup", int, d.warmup, "bench", p),
+        rounds=_get(t, "rounds", int, d.rounds, "bench", p),
+        iterations=_get(t, "iterations", int, d.iterations, "bench", p),
+        peak_tflops=_get(t, "peak_tflops", float, d.peak_tflops, "bench", p),
+    )
+    for key in ("warmup", "rounds", "iterations"):
+        low = 0 if key == "warmup" else 1
+        if getattr(bench, key) < low:
+            p.add(f"bench.{key}", f"must be at least {low}, got {getattr(bench, key)}")
+    if bench.peak_tflops < 0:
+        p.add("bench.peak_tflops", "must be non-negative")
+
+    p.raise_if_any()
+    return Recipe(name=name, description=description, schema_version=SCHEMA_VERSION, model=model,
+                  runtime=runtime, targets=targets, inputs=inputs, numerics=numerics, bench=bench,
+                  source=source)
+
+
+# --------------------------------------------------------------------------- lookup
+
+
+def builtin_dir() -> Path:
+    """The folder of built-in recipes: inside the installed package, else the checkout's recipes/."""
+    packaged = Path(str(importlib.resources.files("exporter"))) / "recipes"
+    if packaged.is_dir():
+        return packaged
+    checkout = Path(__file__).resolve().parents[2] / "recipes"
+    return checkout
+
+
+def builtin_names() -> list[str]:
+    folder = builtin_dir()
+    if not folder.is_dir():
+        return []
+    return sorted(p.stem for p in folder.rglob("*.toml"))
+
+
+def builtin_path(name: str) -> Path | None:
+    folder = builtin_dir()
+    matches = sorted(folder.rglob(f"{name}.toml")) if folder.is_dir() else []
+    return matches[0] if matches else None
+
+
+def load_recipe(name_or_path: str | Path) -> Recipe:
+    """Load a built-in recipe by name, or a recipe file by path."""
+    text = str(name_or_path)
+    path = Path(text)
+    looks_like_path = text.endswith(".toml") or "/" in text or "\\" in text
+    if not looks_like_path:
+        found = builtin_path(text)
+        if found is None:
+            names = builtin_names()
+            near = difflib.get_close_matches(text, names, n=3, cutoff=0.4)
+            hint = f"did you mean {', '.join(near)}?" if near else f"built-in recipes are: {', '.join(names)}"
+            raise RecipeError(f"unknown recipe {text!r}",
+                              f"{hint} (or pass the path of a .toml recipe file)")
+        path, name = found, text
+    else:
+        if not path.is_file():
+            raise RecipeError(f"recipe file {text} does not exist", "check the path, or pass a built-in recipe name")
+        name = path.stem
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise RecipeError(f"recipe {path} is not valid TOML ({exc})", "fix the syntax at the position named") from None
+    return parse_recipe(data, name=name, source=str(path))

@@ -1,0 +1,244 @@
+"""Stage 5, report: ``report.json`` (schema in docs/report-schema.md), ``report.md``, and ``manifest.json``.
+
+Every file is written atomically; ``manifest.json`` is written last, so its
+presence means the run finished. The manifest holds the SHA-256 of the
+checkpoint and of every file in the output folder, the resolved recipe, the
+software versions and the device, so a release can be verified later.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+from typing import Any
+
+from .checkpoint.files import sha256_file
+from .environment import device_info, versions
+from .errors import EXIT_NUMERICS, EXIT_OK, EXIT_TARGET
+from .outdir import write_atomic, write_json
+from .results import FAILED, NUMERICS_FAILED, OK, SKIPPED, VariantResult
+
+REPORT_SCHEMA_VERSION = 1
+MANIFEST_SCHEMA_VERSION = 1
+
+
+def file_entry(path: Path, root: Path) -> dict[str, Any]:
+    return {"path": str(Path(path).relative_to(root)), "sha256": sha256_file(path), "bytes": Path(path).stat().st_size}
+
+
+def _variant_dict(result: VariantResult) -> dict[str, Any]:
+    return {
+        "target": result.target,
+        "name": result.name,
+        "status": result.status,
+        "error": result.error,
+        "path": str(result.path) if result.path else None,
+        "sha256": result.sha256,
+        "size_bytes": result.size_bytes,
+        "files": result.files,
+        "device": result.device,
+        "dtype": result.dtype,
+        "build_s": result.build_s,
+        "load_s": result.load_s,
+        "graph": result.graph,
+        "notes": result.notes,
+        "info": {k: v for k, v in result.info.items() if not k.startswith("_")},
+        "numerics": result.numerics.to_dict() if result.numerics else {"passed": None},
+        "bench": result.bench or {"median_ms": None, "speedup_vs_eager": None},
+    }
+
+
+def _exit_code(results: list[VariantResult], allow_drift: bool) -> tuple[int, list[str]]:
+    problems = []
+    numerics_failed = [r for r in results if r.status == NUMERICS_FAILED]
+    failed = [r for r in results if r.status == FAILED]
+    for r in numerics_failed:
+        problems.append(f"{r.name}: numerics failed: {r.error}")
+    for r in failed:
+        problems.append(f"{r.name}: {r.error}")
+    if numerics_failed and not allow_drift:
+        return EXIT_NUMERICS, problems
+    if failed:
+        return EXIT_TARGET, problems
+    return EXIT_OK, problems
+
+
+def assemble(*, recipe, checkpoint, loaded, plan, signature, reference, audit, results, eager_bench, allow_drift,
+             warnings, timings, staging, total_s) -> dict[str, Any]:
+    exit_code, problems = _exit_code(results, allow_drift)
+    model = loaded.model
+    params = sum(p.numel() for p in model.parameters())
+    dtypes: dict[str, int] = {}
+    for info in loaded.checkpoint.entries.values():
+        key = str(info.dtype).replace("torch.", "")
+        dtypes[key] = dtypes.get(key, 0) + 1
+    passed = all(r.status in (OK, SKIPPED) for r in results)
+    dynamic = {name: {str(axis): {"dim": d.name, "min": d.min, "max": d.max} for axis, d in axes.items()}
+               for name, axes in plan.dynamic_axes().items()}
+    return {
+        "schema_version": REPORT_SCHEMA_VERSION,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "passed": passed,
+        "exit_code": exit_code,
+        "problems": problems,
+        "allow_drift": allow_drift,
+        "warnings": list(warnings),
+        "model": {
+            "checkpoint": str(checkpoint),
+            "format": loaded.checkpoint.format,
+            "architecture": loaded.architecture.name,
+            "architecture_source": loaded.architecture.source,
+            "parameters": params,
+            "checkpoint_bytes": loaded.checkpoint.nbytes,
+            "checkpoint_dtypes": dtypes,
+        },
+        "recipe": {"name": recipe.name, "source": recipe.source, "device": recipe.runtime.device,
+                   "dtype": recipe.runtime.dtype, "attention_backend": recipe.runtime.attention_backend,
+                   "targets": list(recipe.targets.build)},
+        "inputs": {
+            "source": plan.source,
+            "seed": plan.seed,
+            "samples": len(plan.samples),
+            "names": list(signature.inputs),
+            "shapes": {n: list(t.shape) for n, t in plan.samples[0].items()},
+            "dtypes": {n: str(t.dtype).replace("torch.", "") for n, t in plan.samples[0].items()},
+            "dynamic": dynamic,
+            "notes": plan.notes,
+        },
+        "outputs": list(signature.outputs),
+        "reference": {"device": "cpu", "dtype": reference.dtype, "flops": reference.flops, "note": reference.note,
+                      "model": "original (eager attention, not rewritten)"},
+        "tolerance": {"rule": "rmse(candidate, ref) <= k * rmse(eager in the candidate's dtype, ref) + atol",
+                      "k": recipe.numerics.k, "k_default": "2 for float32, 3 for bfloat16/float16",
+                      "atol": recipe.numerics.atol},
+        "attention": audit.to_dict(),
+        "baseline": {"name": "eager", "device": recipe.runtime.device, "dtype": recipe.runtime.dtype,
+                     "bench": eager_bench},
+        "rewritten": _variant_dict(results[0]),
+        "artifacts": [_variant_dict(r) for r in results[1:]],
+        "timings_s": {**{k: round(v, 3) for k, v in timings.items()}, "total": round(total_s, 3)},
+        "environment": {"versions": versions(), "device": device_info(recipe.runtime.device)},
+    }
+
+
+# --------------------------------------------------------------------------- markdown
+
+
+def _ms(value) -> str:
+    return "—" if value is None else (f"{value:.3f}" if value < 10 else f"{value:.1f}")
+
+
+def _x(value) -> str:
+    return "—" if value is None else f"{value:.2f}×"
+
+
+def _err(variant: dict) -> str:
+    outputs = variant.get("numerics", {}).get("outputs") or []
+    if not outputs:
+        return "—"
+    worst = max(outputs, key=lambda o: o["rel_l2"])
+    return f"{worst['rel_l2']:.2e}"
+
+
+def _verdict(variant: dict) -> str:
+    return {OK: "✅ ok", SKIPPED: "⏭️ skipped", FAILED: "❌ failed", NUMERICS_FAILED: "❌ numerics"}.get(
+        variant["status"], variant["status"])
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    r = report
+    verdict = "PASSED" if r["passed"] else ("FAILED (drift allowed)" if r["allow_drift"] and r["exit_code"] == 0
+                                            else "FAILED")
+    lines = [
+        f"# exporter report: {Path(r['model']['checkpoint']).name} with `{r['recipe']['name']}` — {verdict}",
+        "",
+        f"- Model: `{r['model']['architecture']}` ({r['model']['architecture_source']}), "
+        f"{r['model']['parameters']:,} parameters",
+        f"- Recipe: `{r['recipe']['name']}` — {r['recipe']['device']}, {r['recipe']['dtype']}, "
+        f"attention backend `{r['recipe']['attention_backend']}`",
+        f"- Device: {r['environment']['device'].get('name')}; torch {r['environment']['versions']['torch']}",
+        f"- Inputs: {r['inputs']['samples']} sample(s) from {r['inputs']['source']}"
+        + (f" (seed {r['inputs']['seed']})" if r['inputs']['seed'] is not None else "")
+        + ", shapes " + ", ".join(f"`{k}` {v}" for k, v in r["inputs"]["shapes"].items()),
+        f"- Attention: {r['attention']['found']} site(s) found, {r['attention']['rewritten']} rewritten to SDPA, "
+        f"{r['attention']['skipped']} skipped",
+        f"- Reference: original model in {r['reference']['dtype']} on the CPU; tolerance "
+        f"`{r['tolerance']['rule']}`",
+        "",
+        "| variant | status | worst rel. L2 | median ms | p90 ms | p99 ms | speedup | TFLOP/s | build s | size |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    base = r["baseline"]["bench"] or {}
+    lines.append(f"| eager (baseline) | — | — | {_ms(base.get('median_ms'))} | {_ms(base.get('p90_ms'))} | "
+                 f"{_ms(base.get('p99_ms'))} | 1.00× | {_tf(base)} | — | — |")
+    for v in [r["rewritten"]] + r["artifacts"]:
+        b = v["bench"] or {}
+        size = f"{v['size_bytes'] / 2**20:.1f} MiB" if v.get("size_bytes") else "—"
+        build = f"{v['build_s']:.1f}" if v.get("build_s") is not None else "—"
+        lines.append(f"| {v['name']} | {_verdict(v)} | {_err(v)} | {_ms(b.get('median_ms'))} | {_ms(b.get('p90_ms'))} "
+                     f"| {_ms(b.get('p99_ms'))} | {_x(b.get('speedup_vs_eager'))} | {_tf(b)} | {build} | {size} |")
+    notes = [(v["name"], v["error"]) for v in [r["rewritten"]] + r["artifacts"] if v.get("error")]
+    notes += [(v["name"], n) for v in [r["rewritten"]] + r["artifacts"] for n in v.get("notes", [])]
+    if notes or r["warnings"]:
+        lines += ["", "## Notes", ""]
+        lines += [f"- **{name}**: {text}" for name, text in notes]
+        lines += [f"- warning: {w}" for w in r["warnings"]]
+    if r["attention"]["sites"]:
+        lines += ["", "## Attention sites", "", "| location | kind | status | causal | masked | GQA | head dim | reason |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for s in r["attention"]["sites"]:
+            lines.append(f"| `{s['location']}` | {s['kind']} | {s['status']} | {_b(s['causal'])} | {_b(s['masked'])} "
+                         f"| {_b(s['grouped_query'])} | {s['head_dim'] or '—'} | {s['reason'] or ''} |")
+    lines += ["", f"Exit code {r['exit_code']}. Full data: `report.json`; hashes: `manifest.json`.", ""]
+    return "\n".join(lines)
+
+
+def _tf(bench: dict) -> str:
+    value = bench.get("tflops") if bench else None
+    if value is None:
+        return "—"
+    util = bench.get("utilisation")
+    return f"{value:.2f}" + (f" ({util:.0%})" if util is not None else "")
+
+
+def _b(value) -> str:
+    return "—" if value is None else ("yes" if value else "no")
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def build_manifest(staging: Path, report: dict[str, Any], checkpoint_files: list[Path], recipe_dict) -> dict:
+    files = []
+    for path in sorted(p for p in staging.rglob("*") if p.is_file()):
+        if path.name == "manifest.json" or path.name.startswith("."):
+            continue
+        entry = file_entry(path, staging)
+        files.append(entry)
+    return {
+        "schema_version": MANIFEST_SCHEMA_VERSION,
+        "created": report["created"],
+        "passed": report["passed"],
+        "exit_code": report["exit_code"],
+        "checkpoint": [{"path": str(Path(p).resolve()), "sha256": sha256_file(Path(p)), "bytes": Path(p).stat().st_size}
+                       for p in checkpoint_files],
+        "files": files,
+        "artifacts": [{"target": a["name"], "path": a["path"], "sha256": a["sha256"]}
+                      for a in report["artifacts"] if a["path"]],
+        "recipe": recipe_dict,
+        "versions": report["environment"]["versions"],
+        "device": report["environment"]["device"],
+    }
+
+
+def write_all(staging: Path, report: dict[str, Any], extra: dict[str, Any]) -> None:
+    """report.json, report.md, recipe.json, then manifest.json last."""
+    recipe_dict = extra.get("recipe")
+    write_json(staging / "recipe.json", recipe_dict)
+    write_json(staging / "report.json", report)
+    write_atomic(staging / "report.md", render_markdown(report))
+    manifest = build_manifest(staging, report, extra.get("checkpoint_files", []), recipe_dict)
+    write_json(staging / "manifest.json", manifest)
+
+
+__all__ = ["assemble", "render_markdown", "write_all", "file_entry", "REPORT_SCHEMA_VERSION"]

@@ -1,0 +1,40 @@
+"""Target ``aoti``: an AOTInductor package (``model.aoti.pt2``) compiled from the exported program.
+
+Loading a package runs native code; on some machines it has crashed the
+process (see docs/gpu.md), which is why every artifact is loaded in a child
+process.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..attention_backend import backend_context
+from ..inputs import DTYPES
+from ..runners import Loaded, RunnerSpec
+from . import BuildContext, Built, register
+
+FILE = "model.aoti.pt2"
+
+
+@register("aoti", needs_program=True, describe="AOTInductor package (.pt2)")
+def build(ctx: BuildContext) -> list[Built]:
+    t0 = time.perf_counter()
+    path = ctx.staging / FILE
+    with backend_context(ctx.recipe.runtime.attention_backend, ctx.device):
+        torch._inductor.aoti_compile_and_package(ctx.program, package_path=str(path))
+    spec = RunnerSpec("aoti", "aoti", ctx.device, ctx.dtype, path=str(path),
+                      attention_backend=ctx.recipe.runtime.attention_backend)
+    return [Built("aoti", "aoti", spec, path, [path], time.perf_counter() - t0)]
+
+
+def load(spec: RunnerSpec) -> Loaded:
+    runner = torch._inductor.aoti_load_package(spec.path)
+
+    def call(args):
+        out = runner(*args)
+        return list(out) if isinstance(out, (list, tuple)) else [out]
+
+    return Loaded(call, spec.device, DTYPES[spec.dtype])

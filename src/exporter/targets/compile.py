@@ -1,0 +1,52 @@
+"""Target ``compile``: torch.compile of the rewritten model, one variant per recipe mode.
+
+Benchmark and numerics only: no file is written. Each mode compiles in its own
+child process (rebuilt from the checkpoint), and its compile time is the first
+call's time. ``reduce-overhead`` and ``max-autotune`` capture CUDA graphs, which
+pay off when shapes are static (``compile_dynamic = false``, the default).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..attention_backend import backend_context
+from ..inputs import DTYPES
+from ..runners import Loaded, RunnerSpec
+from . import BuildContext, Built, register
+
+
+@register("compile", describe="torch.compile of the rewritten model (benchmark variant)")
+def build(ctx: BuildContext) -> list[Built]:
+    built = []
+    for mode in ctx.recipe.targets.compile_modes:
+        name = f"compile:{mode}"
+        spec = RunnerSpec(name, "compile", ctx.device, ctx.dtype, source=ctx.source,
+                          options=(("mode", mode), ("dynamic", ctx.recipe.targets.compile_dynamic)),
+                          attention_backend=ctx.recipe.runtime.attention_backend)
+        built.append(Built("compile", name, spec, notes=["no file: a benchmark variant; build time is the first call"]))
+    return built
+
+
+def load(spec: RunnerSpec) -> Loaded:
+    from ..prepare import from_source, place
+
+    prepared = from_source(spec.source)
+    module = place(prepared.rewritten, spec.device, spec.dtype)
+    compiled = torch.compile(module, mode=spec.option("mode"), dynamic=bool(spec.option("dynamic")))
+    info: dict = {"mode": spec.option("mode"), "dynamic": bool(spec.option("dynamic"))}
+
+    def call(args):
+        with backend_context(spec.attention_backend, spec.device):
+            if "compile_s" not in info:
+                t0 = time.perf_counter()
+                out = compiled(*args)
+                if spec.device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                info["compile_s"] = time.perf_counter() - t0
+                return list(out)
+            return list(compiled(*args))
+
+    return Loaded(call, spec.device, DTYPES[spec.dtype], info)

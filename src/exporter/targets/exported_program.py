@@ -1,0 +1,71 @@
+"""Target ``exported_program``: a torch.export program, saved as ``model.pt2``.
+
+The program is decomposed to core ATen with SDPA kept out of the table, so
+attention stays one fused ``scaled_dot_product_attention`` node instead of
+turning back into matmul + softmax (the default table decomposes it).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from ..runners import Loaded, RunnerSpec
+from . import BuildContext, Built, count_graph_ops, register
+
+FILE = "model.pt2"
+
+
+def decomposition_table():
+    from torch.export import default_decompositions
+
+    table = default_decompositions()
+    aten = torch.ops.aten
+    for op in (aten.scaled_dot_product_attention.default,
+               aten._scaled_dot_product_flash_attention_for_cpu.default):
+        table.pop(op, None)
+    return table
+
+
+def first_line(exc: BaseException, limit: int = 400) -> str:
+    text = " ".join(str(exc).strip().split())
+    return f"{type(exc).__name__}: {text[:limit]}" if text else type(exc).__name__
+
+
+def export_program(ctx: BuildContext):
+    """torch.export the rewritten model with the plan's dynamic dims, then decompose keeping SDPA."""
+    program = torch.export.export(ctx.io, tuple(ctx.example), dynamic_shapes=ctx.plan.export_dynamic_shapes(),
+                                  strict=False)
+    return program.run_decompositions(decomposition_table())
+
+
+@register("exported_program", describe="torch.export program (.pt2)")
+def build(ctx: BuildContext) -> list[Built]:
+    t0 = time.perf_counter()
+    program = ctx.program
+    path = ctx.staging / FILE
+    torch.export.save(program, str(path))
+    spec = RunnerSpec("exported_program", "exported_program", ctx.device, ctx.dtype, path=str(path),
+                      attention_backend=ctx.recipe.runtime.attention_backend)
+    graph = count_graph_ops(program.graph)
+    graph["placeholders"] = [n.name for n in program.graph.nodes if n.op == "placeholder"
+                             and n.name in ctx.plan.names]
+    return [Built("exported_program", "exported_program", spec, path, [path],
+                  time.perf_counter() - t0 + ctx.program_export_s, graph=graph)]
+
+
+def load(spec: RunnerSpec) -> Loaded:
+    from ..attention_backend import backend_context
+
+    program = torch.export.load(str(Path(spec.path)))
+    module = program.module()
+
+    def call(args):
+        with backend_context(spec.attention_backend, spec.device):
+            return list(module(*args))
+
+    from ..inputs import DTYPES
+
+    return Loaded(call, spec.device, DTYPES[spec.dtype])

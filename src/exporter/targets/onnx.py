@@ -1,0 +1,120 @@
+"""Target ``onnx``: the dynamo ONNX exporter, checked with ``onnx.checker``, run with onnxruntime.
+
+At opset 23 and above SDPA becomes the ONNX ``Attention`` op. Inputs and
+outputs carry the model's real names. Models over 2 GB store their weights in
+``model.onnx.data`` beside the graph.
+
+onnxruntime's CPU execution provider has no bfloat16/float16 kernels for most
+ops. When the recipe's dtype is half precision and no CUDA execution provider
+is available, the ONNX model is exported in float32 (``onnx_dtype = "auto"``),
+validated against the float32 eager model, and the report says so.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import time
+
+import torch
+
+from ..inputs import DTYPES
+from ..runners import Loaded, RunnerSpec
+from . import BuildContext, Built, register
+
+FILE = "model.onnx"
+EXTERNAL_DATA_BYTES = 1_800_000_000
+
+
+def choose_provider(device: str) -> str:
+    import onnxruntime as ort
+
+    available = ort.get_available_providers()
+    if device.startswith("cuda") and "CUDAExecutionProvider" in available:
+        return "CUDAExecutionProvider"
+    return "CPUExecutionProvider"
+
+
+@contextlib.contextmanager
+def _float32_program(ctx: BuildContext):
+    """Export the model again in float32 on the CPU, casting in place (no second copy) until the ONNX file is saved."""
+    from ..reference import cast_in_place
+    from .exported_program import decomposition_table
+
+    example = [(t.float() if t.is_floating_point() else t).cpu() for t in ctx.example]
+    with cast_in_place(ctx.io, torch.float32, "cpu"):
+        program = torch.export.export(ctx.io, tuple(example), dynamic_shapes=ctx.plan.export_dynamic_shapes(),
+                                      strict=False)
+        yield program.run_decompositions(decomposition_table())
+
+
+def optimize(onnx_program) -> None:
+    """Constant folding and clean-up, without onnxscript's opset-23 fusions.
+
+    torch's own ``optimize`` also fuses RMSNormalization, RotaryEmbedding and GQA
+    patterns; with onnxscript 0.7 and onnxruntime 1.32 the fused RotaryEmbedding
+    of a Llama model is rejected at run time ("cos_cache and sin_cache are
+    expected to have the same shape as input x"), so those fusions are left out.
+    SDPA still becomes ``Attention``: that happens when the graph is translated.
+    """
+    import onnxscript.optimizer
+
+    onnxscript.optimizer.optimize_ir(onnx_program.model)
+
+
+@register("onnx", requires=("onnx", "onnxruntime", "onnxscript"), needs_program=True,
+          describe="ONNX (dynamo exporter) run with onnxruntime")
+def build(ctx: BuildContext) -> list[Built]:
+    import onnx
+
+    t0 = time.perf_counter()
+    notes = []
+    provider = choose_provider(ctx.device)
+    dtype, device = ctx.dtype, ctx.device
+    choice = ctx.recipe.targets.onnx_dtype
+    in_float32 = False
+    if provider == "CPUExecutionProvider" and device != "cpu":
+        device = "cpu"
+        notes.append("no CUDA execution provider in this onnxruntime: validated and timed on the CPU")
+    if dtype != "float32" and (choice == "float32" or (choice == "auto" and provider == "CPUExecutionProvider")):
+        in_float32 = True
+        notes.append(f"exported in float32: onnxruntime's CPU provider has no {dtype} kernels"
+                     if choice == "auto" else "exported in float32, as the recipe asks")
+        dtype = "float32"
+    path = ctx.staging / FILE
+    with (_float32_program(ctx) if in_float32 else contextlib.nullcontext(ctx.program)) as program:
+        onnx_program = torch.onnx.export(program, (), dynamo=True, opset_version=ctx.recipe.targets.onnx_opset,
+                                         input_names=list(ctx.plan.names), output_names=list(ctx.io.signature.outputs),
+                                         verbose=False, optimize=False)
+        optimize(onnx_program)
+        size = sum(t.numel() * t.element_size() for t in program.state_dict.values())
+        external = size > EXTERNAL_DATA_BYTES
+        onnx_program.save(str(path), external_data=external)
+        del onnx_program
+    onnx.checker.check_model(str(path), full_check=True)
+    proto = onnx.load(str(path), load_external_data=False)
+    ops = collections.Counter(node.op_type for node in proto.graph.node)
+    files = [path] + ([path.with_name(path.name + ".data")] if external and path.with_name(path.name + ".data").exists() else [])
+    graph = {"attention": ops.get("Attention", 0), "softmax": ops.get("Softmax", 0), "matmul": ops.get("MatMul", 0),
+             "opset": next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None),
+             "inputs": [i.name for i in proto.graph.input], "outputs": [o.name for o in proto.graph.output],
+             "provider": provider, "dtype": dtype}
+    spec = RunnerSpec("onnx", "onnx", device, dtype, path=str(path), options=(("provider", provider),))
+    return [Built("onnx", "onnx", spec, path, files, time.perf_counter() - t0, notes=notes, graph=graph)]
+
+
+def load(spec: RunnerSpec) -> Loaded:
+    import numpy as np
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(spec.path, sess_options=options, providers=[spec.option("provider")])
+    names = [i.name for i in session.get_inputs()]
+
+    def call(args):
+        feed = {name: np.ascontiguousarray(t.detach().cpu().numpy()) for name, t in zip(names, args)}
+        return [torch.from_numpy(np.asarray(o)) for o in session.run(None, feed)]
+
+    return Loaded(call, "cpu" if spec.option("provider") == "CPUExecutionProvider" else spec.device,
+                  DTYPES[spec.dtype], {"provider": spec.option("provider")})

@@ -1,0 +1,14 @@
+"""Target ``tensorrt``: Torch-TensorRT. Only the slot exists: the target is reported as skipped, with the
+reason, when torch_tensorrt cannot be imported (TensorRT's runtime is not installable on every machine)."""
+
+from __future__ import annotations
+
+from . import BuildContext, Built, register
+
+
+@register("tensorrt", requires=("torch_tensorrt", "tensorrt"), needs_program=True, describe="Torch-TensorRT")
+def build(ctx: BuildContext) -> list[Built]:
+    raise NotImplementedError("building Torch-TensorRT engines is not implemented yet")
+
+
+load = None
