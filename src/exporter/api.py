@@ -317,6 +317,8 @@ class _Run:
                 built.append((result, None))
                 continue
             for item in outputs:
+                if target.needs_program or name == "exported_program":
+                    item.notes = list(ctx.notes) + list(item.notes)
                 files = [report_mod.file_entry(p, self.staging) for p in item.files]
                 runner = item.runner
                 result = VariantResult(

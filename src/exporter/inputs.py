@@ -53,8 +53,9 @@ class InputPlan:
                     axes.setdefault(spec.name, {})[axis] = by_name[entry]
         return axes
 
-    def export_dynamic_shapes(self) -> dict[str, dict[int, Any]] | None:
-        """torch.export dynamic_shapes keyed by input name; one Dim object per named dim."""
+    def export_dynamic_shapes(self, hints: bool = False) -> dict[str, dict[int, Any]] | None:
+        """torch.export dynamic_shapes keyed by input name: one named Dim per recipe dim, or with
+        ``hints`` a ``Dim.DYNAMIC`` range hint per axis."""
         axes = self.dynamic_axes()
         if not axes:
             return None
@@ -63,7 +64,8 @@ class InputPlan:
         made: dict[str, Any] = {}
         for dim in self.dims:
             if dim.dynamic:
-                made[dim.name] = ExportDim(dim.name, min=dim.min, max=dim.max)
+                made[dim.name] = (ExportDim.DYNAMIC(min=dim.min, max=dim.max) if hints
+                                  else ExportDim(dim.name, min=dim.min, max=dim.max))
         return {name: {axis: made[d.name] for axis, d in axes.get(name, {}).items()} or None
                 for name in self.names}
 

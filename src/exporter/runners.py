@@ -267,6 +267,9 @@ class RemoteRunner:
         # Idle OpenMP threads in a child must not spin while another variant is being timed.
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        preload = spec.option("ld_preload")
+        if preload:
+            env["LD_PRELOAD"] = os.pathsep.join(p for p in (preload, env.get("LD_PRELOAD")) if p)
         out = open(log, "ab") if log else subprocess.DEVNULL
         t0 = time.perf_counter()
         try:

@@ -33,6 +33,7 @@ class BuildContext:
     program: Any = None  # torch.export.ExportedProgram, set once exported
     program_error: str | None = None
     program_export_s: float = 0.0
+    notes: list[str] = field(default_factory=list)  # about the exported program, for every target built from it
 
     @property
     def device(self) -> str:

@@ -1,8 +1,9 @@
 """Target ``aoti``: an AOTInductor package (``model.aoti.pt2``) compiled from the exported program.
 
-Loading a package runs native code; on some machines it has crashed the
-process (see docs/gpu.md), which is why every artifact is loaded in a child
-process.
+Loading a package runs native code; on some machines it crashed the process
+inside std::regex until the compiler's libstdc++ was preloaded (see
+exporter.toolchain). Every artifact is loaded in a child process, so a crash
+fails this target only.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from ..attention_backend import backend_context
 from ..inputs import DTYPES
 from ..runners import Loaded, RunnerSpec
+from ..toolchain import aoti_preload
 from . import BuildContext, Built, register
 
 FILE = "model.aoti.pt2"
@@ -25,9 +27,13 @@ def build(ctx: BuildContext) -> list[Built]:
     path = ctx.staging / FILE
     with backend_context(ctx.recipe.runtime.attention_backend, ctx.device):
         torch._inductor.aoti_compile_and_package(ctx.program, package_path=str(path))
+    preload = aoti_preload()
     spec = RunnerSpec("aoti", "aoti", ctx.device, ctx.dtype, path=str(path),
-                      attention_backend=ctx.recipe.runtime.attention_backend)
-    return [Built("aoti", "aoti", spec, path, [path], time.perf_counter() - t0)]
+                      options=(("ld_preload", preload),), attention_backend=ctx.recipe.runtime.attention_backend)
+    notes = [f"loaded with LD_PRELOAD={preload} (see docs/gpu.md: AOTI packages can crash on load otherwise)"] \
+        if preload else []
+    return [Built("aoti", "aoti", spec, path, [path], time.perf_counter() - t0, notes=notes,
+                  graph={"ld_preload": preload})]
 
 
 def load(spec: RunnerSpec) -> Loaded:

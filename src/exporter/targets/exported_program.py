@@ -35,9 +35,28 @@ def first_line(exc: BaseException, limit: int = 400) -> str:
 
 
 def export_program(ctx: BuildContext):
-    """torch.export the rewritten model with the plan's dynamic dims, then decompose keeping SDPA."""
-    program = torch.export.export(ctx.io, tuple(ctx.example), dynamic_shapes=ctx.plan.export_dynamic_shapes(),
-                                  strict=False)
+    return export_module(ctx.io, ctx.example, ctx.plan, ctx.notes)
+
+
+def export_module(module, example, plan, notes: list[str]):
+    """torch.export ``module`` with the plan's dynamic dims, then decompose keeping SDPA.
+
+    Named dims (``Dim("sequence", min, max)``) come first: they tie equal dims
+    across inputs and name them in every artifact. Where torch rejects them over a
+    guard it cannot prove for the whole range (seen on CUDA with torch 2.11:
+    ``min(16*s, 32*s) == 16*s`` for a grouped-query model), the export is retried
+    with ``Dim.DYNAMIC`` hints of the same range, and a note says so.
+    """
+    try:
+        program = torch.export.export(module, tuple(example), dynamic_shapes=plan.export_dynamic_shapes(),
+                                      strict=False)
+    except Exception as exc:
+        if "Constraints violated" not in str(exc) or plan.export_dynamic_shapes(hints=True) is None:
+            raise
+        program = torch.export.export(module, tuple(example), dynamic_shapes=plan.export_dynamic_shapes(hints=True),
+                                      strict=False)
+        notes.append("named dims were rejected by a guard torch could not prove over the declared range "
+                         f"({' '.join(str(exc).split())[:160]}); exported with Dim.DYNAMIC hints of the same range")
     return program.run_decompositions(decomposition_table())
 
 

@@ -39,13 +39,11 @@ def choose_provider(device: str) -> str:
 def _float32_program(ctx: BuildContext):
     """Export the model again in float32 on the CPU, casting in place (no second copy) until the ONNX file is saved."""
     from ..reference import cast_in_place
-    from .exported_program import decomposition_table
+    from .exported_program import export_module
 
     example = [(t.float() if t.is_floating_point() else t).cpu() for t in ctx.example]
     with cast_in_place(ctx.io, torch.float32, "cpu"):
-        program = torch.export.export(ctx.io, tuple(example), dynamic_shapes=ctx.plan.export_dynamic_shapes(),
-                                      strict=False)
-        yield program.run_decompositions(decomposition_table())
+        yield export_module(ctx.io, example, ctx.plan, [])
 
 
 def optimize(onnx_program) -> None:
