@@ -26,7 +26,7 @@ from .errors import CheckpointError, ExporterError, Interrupted, OutputError
 from .inputs import DTYPES, plan_inputs
 from .modelio import Signature, discover_outputs
 from .numerics import judge
-from .outdir import OutputFolder, os_problem
+from .outdir import OutputFolder, model_name, os_problem
 from .prepare import original_module, rewrite
 from .progress import Progress
 from .quiet import quiet_libraries
@@ -53,17 +53,6 @@ class ConvertResult:
 def resolve_recipe(recipe: str | Path | Recipe, factory: str | None = None) -> Recipe:
     loaded = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     return loaded.with_factory(factory)
-
-
-def model_name(path: Path) -> str:
-    path = Path(path).resolve()
-    if path.is_dir():
-        name = path.name
-    elif path.name in ("model.safetensors", "pytorch_model.bin") or path.name.endswith(".index.json"):
-        name = path.parent.name
-    else:
-        name = path.name.split(".")[0]
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "model"
 
 
 def default_out(checkpoint: str | Path, recipe: Recipe) -> Path:
@@ -317,8 +306,6 @@ class _Run:
                 built.append((result, None))
                 continue
             for item in outputs:
-                if target.needs_program or name == "exported_program":
-                    item.notes = list(ctx.notes) + list(item.notes)
                 files = [report_mod.file_entry(p, self.staging) for p in item.files]
                 runner = item.runner
                 result = VariantResult(

@@ -40,6 +40,9 @@ class ExporterError(Exception):
         self.message = message
         self.hint = hint
 
+    def __str__(self) -> str:
+        return self.one_line()
+
     def one_line(self) -> str:
         text = self.message.rstrip(".")
         if self.hint:

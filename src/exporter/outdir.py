@@ -14,6 +14,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -138,3 +139,18 @@ class OutputFolder:
                 os.close(self._lock_fd)
             finally:
                 self._lock_fd = None  # the lock file stays: unlinking it would race with a waiting run
+
+
+GENERIC_NAMES = {"model", "models", "checkpoint", "checkpoints", "weights", "snapshot", "final", "pytorch_model"}
+
+
+def model_name(path: Path) -> str:
+    """A folder name for the model: the file's stem, or its folder's name when the stem says nothing."""
+    path = Path(path).resolve()
+    folder = path if path.is_dir() else path.parent
+    name = path.name.split(".")[0] if path.is_file() else path.name
+    if path.is_file() and (name.lower() in GENERIC_NAMES or name.startswith("model-") or path.name.endswith(".index.json")):
+        name = folder.name
+    if name.lower() in GENERIC_NAMES and folder.parent != folder:
+        name = (folder.parent if name == folder.name else folder).name
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "model"

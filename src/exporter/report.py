@@ -15,7 +15,7 @@ from typing import Any
 from .checkpoint.files import sha256_file
 from .environment import device_info, versions
 from .errors import EXIT_NUMERICS, EXIT_OK, EXIT_TARGET
-from .outdir import write_atomic, write_json
+from .outdir import model_name, write_atomic, write_json
 from .results import FAILED, NUMERICS_FAILED, OK, SKIPPED, VariantResult
 
 REPORT_SCHEMA_VERSION = 1
@@ -84,6 +84,7 @@ def assemble(*, recipe, checkpoint, loaded, plan, signature, reference, audit, r
         "allow_drift": allow_drift,
         "warnings": list(warnings),
         "model": {
+            "name": model_name(Path(checkpoint)),
             "checkpoint": str(checkpoint),
             "format": loaded.checkpoint.format,
             "architecture": loaded.architecture.name,
@@ -150,7 +151,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     verdict = "PASSED" if r["passed"] else ("FAILED (drift allowed)" if r["allow_drift"] and r["exit_code"] == 0
                                             else "FAILED")
     lines = [
-        f"# exporter report: {Path(r['model']['checkpoint']).name} with `{r['recipe']['name']}` — {verdict}",
+        f"# exporter report: {r['model']['name']} with `{r['recipe']['name']}` — {verdict}",
         "",
         f"- Model: `{r['model']['architecture']}` ({r['model']['architecture_source']}), "
         f"{r['model']['parameters']:,} parameters",
@@ -231,8 +232,19 @@ def build_manifest(staging: Path, report: dict[str, Any], checkpoint_files: list
     }
 
 
+def _drop_empty_logs(staging: Path) -> None:
+    logs = staging / "logs"
+    if logs.is_dir():
+        for log in logs.iterdir():
+            if log.is_file() and log.stat().st_size == 0:
+                log.unlink()
+        if not any(logs.iterdir()):
+            logs.rmdir()
+
+
 def write_all(staging: Path, report: dict[str, Any], extra: dict[str, Any]) -> None:
     """report.json, report.md, recipe.json, then manifest.json last."""
+    _drop_empty_logs(staging)
     recipe_dict = extra.get("recipe")
     write_json(staging / "recipe.json", recipe_dict)
     write_json(staging / "report.json", report)

@@ -43,7 +43,8 @@ def load_transformers(arch: Architecture, checkpoint: Checkpoint) -> tuple[nn.Mo
     dtype = checkpoint_float_dtype(checkpoint)
     try:
         model, info = cls.from_pretrained(None, config=arch.hf_config, state_dict=state_dict,
-                                          attn_implementation="eager", output_loading_info=True, dtype=dtype)
+                                          attn_implementation="eager", output_loading_info=True, dtype=dtype,
+                                          ignore_mismatched_sizes=True)
     except CheckpointError:
         raise
     except RuntimeError as exc:
@@ -57,6 +58,7 @@ def load_transformers(arch: Architecture, checkpoint: Checkpoint) -> tuple[nn.Mo
     problems = []
     mismatched = info.get("mismatched_keys") or set()
     if mismatched:
+        # reported, not reinitialised in silence: ignore_mismatched_sizes only makes transformers list them
         shown = [m if isinstance(m, str) else f"{m[0]} (checkpoint {list(m[1])}, model {list(m[2])})" for m in mismatched]
         problems.append(f"{len(shown)} mis-shaped: {_listing(shown)}")
     missing = info.get("missing_keys") or set()

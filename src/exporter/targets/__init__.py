@@ -98,7 +98,15 @@ def get(name: str) -> Target:
 
 
 def load_runner(spec: RunnerSpec) -> Loaded:
-    """Load a variant in this process (called in the runner's child process)."""
+    """Load a variant in this process (called in the runner's child process).
+
+    ``spec.target`` names a registered target, or ``package.module:function`` for a
+    loader defined outside exporter (a plugin), which gets the spec and returns Loaded.
+    """
+    _import_all()
+    if spec.target not in REGISTRY and ":" in spec.target:
+        module, _, function = spec.target.partition(":")
+        return getattr(importlib.import_module(module), function)(spec)
     target = get(spec.target)
     if target.load is None:
         raise RuntimeError(f"target {spec.target} cannot be loaded")

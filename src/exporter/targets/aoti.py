@@ -30,7 +30,8 @@ def build(ctx: BuildContext) -> list[Built]:
     preload = aoti_preload()
     spec = RunnerSpec("aoti", "aoti", ctx.device, ctx.dtype, path=str(path),
                       options=(("ld_preload", preload),), attention_backend=ctx.recipe.runtime.attention_backend)
-    notes = [f"loaded with LD_PRELOAD={preload} (see docs/gpu.md: AOTI packages can crash on load otherwise)"] \
+    notes = list(ctx.notes)
+    notes += [f"loaded with LD_PRELOAD={preload} (see docs/gpu.md: AOTI packages can crash on load otherwise)"] \
         if preload else []
     return [Built("aoti", "aoti", spec, path, [path], time.perf_counter() - t0, notes=notes,
                   graph={"ld_preload": preload})]

@@ -72,7 +72,7 @@ def build(ctx: BuildContext) -> list[Built]:
     graph["placeholders"] = [n.name for n in program.graph.nodes if n.op == "placeholder"
                              and n.name in ctx.plan.names]
     return [Built("exported_program", "exported_program", spec, path, [path],
-                  time.perf_counter() - t0 + ctx.program_export_s, graph=graph)]
+                  time.perf_counter() - t0 + ctx.program_export_s, notes=list(ctx.notes), graph=graph)]
 
 
 def load(spec: RunnerSpec) -> Loaded:

@@ -79,6 +79,8 @@ def build(ctx: BuildContext) -> list[Built]:
         notes.append(f"exported in float32: onnxruntime's CPU provider has no {dtype} kernels"
                      if choice == "auto" else "exported in float32, as the recipe asks")
         dtype = "float32"
+    if not in_float32:
+        notes = list(ctx.notes) + notes
     path = ctx.staging / FILE
     with (_float32_program(ctx) if in_float32 else contextlib.nullcontext(ctx.program)) as program:
         onnx_program = torch.onnx.export(program, (), dynamo=True, opset_version=ctx.recipe.targets.onnx_opset,

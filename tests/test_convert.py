@@ -1,0 +1,151 @@
+"""The whole pipeline on tiny transformers models, a real checkpoint and a custom factory (CPU, cpu-fp32).
+
+Each conversion builds the exported program, the AOTInductor package and the ONNX model, loads each back
+in a child process, validates it against the float64 reference and times it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+import exporter
+from exporter.recipe import load_recipe
+
+pytestmark = pytest.mark.slow
+
+
+def quick(name="cpu-fp32"):
+    recipe = load_recipe(name)
+    return dataclasses.replace(recipe, bench=dataclasses.replace(recipe.bench, warmup=1, rounds=2, iterations=3))
+
+
+@pytest.fixture(scope="module")
+def converted(tiny_models, minilm_path, tmp_path_factory):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            source = minilm_path if name == "minilm" else tiny_models[name]
+            out = tmp_path_factory.mktemp("out") / name
+            cache[name] = exporter.convert(source, quick(), out)
+        return cache[name]
+
+    return get
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("name, outputs, causal, gqa, masked",
+                         [("gpt2", ["logits"], True, False, True),
+                          ("llama", ["logits"], True, True, True),
+                          ("vit", ["last_hidden_state", "pooler_output"], False, False, False),
+                          ("minilm", ["last_hidden_state", "pooler_output"], False, False, True)])
+def test_every_target_builds_and_passes(converted, name, outputs, causal, gqa, masked):
+    result = converted(name)
+    report = result.report
+    assert result.exit_code == 0, report["problems"]
+    assert report["passed"] is True
+    assert report["outputs"] == outputs
+    by_target = {a["target"]: a for a in report["artifacts"]}
+    assert set(by_target) == {"exported_program", "aoti", "onnx"}
+    for artifact in report["artifacts"]:
+        assert artifact["status"] == "ok", artifact["error"]
+        assert artifact["numerics"]["passed"] is True
+        assert artifact["bench"]["median_ms"] > 0 and artifact["bench"]["speedup_vs_eager"] > 0
+        assert (result.out / artifact["path"]).is_file()
+        assert artifact["sha256"] == sha256(result.out / artifact["path"])
+    assert report["rewritten"]["numerics"]["passed"] is True
+    attention = report["attention"]
+    layers = 6 if name == "minilm" else 2
+    assert attention["found"] == attention["rewritten"] == layers
+    for site in attention["sites"]:
+        assert (site["causal"], site["grouped_query"], site["masked"]) == (causal, gqa, masked), site
+    assert report["reference"]["dtype"] == "float64" and report["reference"]["flops"] > 0
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "vit"])
+def test_sdpa_survives_into_the_artifacts(converted, name):
+    result = converted(name)
+    by_target = {a["target"]: a for a in result.report["artifacts"]}
+    graph = by_target["exported_program"]["graph"]
+    assert graph["sdpa"] == 2 and graph["softmax"] == 0
+    model = onnx.load(str(result.out / "model.onnx"))
+    ops = [n.op_type for n in model.graph.node]
+    assert ops.count("Attention") == 2 and "Softmax" not in ops
+    assert [i.name for i in model.graph.input] == result.report["inputs"]["names"]
+    assert [o.name for o in model.graph.output] == result.report["outputs"]
+
+
+def test_manifest_hashes_every_file_and_is_last(converted):
+    result = converted("gpt2")
+    manifest = json.loads((result.out / "manifest.json").read_text())
+    listed = {f["path"]: f["sha256"] for f in manifest["files"]}
+    on_disk = {str(p.relative_to(result.out)) for p in result.out.rglob("*") if p.is_file()} - {"manifest.json"}
+    assert set(listed) == on_disk
+    for path, digest in listed.items():
+        assert sha256(result.out / path) == digest
+    assert manifest["checkpoint"][0]["sha256"] == sha256(Path(manifest["checkpoint"][0]["path"]))
+    assert manifest["versions"]["torch"] == torch.__version__
+    assert manifest["recipe"]["name"] == "cpu-fp32"
+    mtimes = {p.name: p.stat().st_mtime_ns for p in result.out.iterdir() if p.is_file()}
+    assert mtimes["manifest.json"] == max(mtimes.values())
+
+
+def test_report_markdown_has_one_row_per_target(converted):
+    text = (converted("llama").out / "report.md").read_text()
+    for row in ("| eager (baseline) |", "| rewritten | ✅ ok", "| exported_program | ✅ ok", "| aoti | ✅ ok",
+                "| onnx | ✅ ok"):
+        assert row in text
+    assert "PASSED" in text.splitlines()[0]
+
+
+def test_dynamic_dims_work_in_the_artifacts(converted, tiny_models):
+    """Artifacts exported at batch 2 x seq 32 run at batch 3 x seq 17 and agree with eager."""
+    result = converted("llama")
+    from exporter.checkpoint import load_model
+
+    model = load_model(tiny_models["llama"]).model
+    ids = torch.randint(0, 1000, (3, 17))
+    mask = torch.ones_like(ids)
+    mask[2, 11:] = 0
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    program = torch.export.load(str(result.out / "model.pt2")).module()
+    assert torch.allclose(program(ids, mask)[0], expected, atol=1e-4)
+    session = ort.InferenceSession(str(result.out / "model.onnx"), providers=["CPUExecutionProvider"])
+    got = session.run(None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})[0]
+    assert np.allclose(got, expected.numpy(), atol=1e-4)
+    dims = result.report["inputs"]["dynamic"]
+    assert dims["input_ids"]["0"]["dim"] == "batch" and dims["input_ids"]["1"]["dim"] == "sequence"
+
+
+def test_custom_factory_with_declared_inputs(factory_checkpoint, write_recipe, tmp_path):
+    from conftest import FACTORY_RECIPE
+
+    path, factory = factory_checkpoint
+    recipe = write_recipe(FACTORY_RECIPE.format(targets='["exported_program", "aoti", "onnx"]'))
+    result = exporter.convert(path, recipe, tmp_path / "out", model=factory)
+    report = result.report
+    assert result.exit_code == 0, report["problems"]
+    assert report["model"]["architecture_source"] == "factory"
+    assert report["inputs"]["names"] == ["tokens", "features"]
+    assert report["outputs"] == ["logits", "hidden"]
+    assert report["inputs"]["seed"] == 3
+    assert {a["target"]: a["status"] for a in report["artifacts"]} == {
+        "exported_program": "ok", "aoti": "ok", "onnx": "ok"}
+    program = torch.export.load(str(result.out / "model.pt2")).module()
+    tokens = torch.randint(0, 100, (5, 20))
+    features = torch.randn(5, 20, 32)
+    logits, hidden = program(tokens, features)
+    assert logits.shape == (5, 20, 100)

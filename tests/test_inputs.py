@@ -1,0 +1,91 @@
+"""Inputs: generated from the config with a fixed seed and real padding, or read from a samples file."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from exporter.checkpoint import load_model
+from exporter.errors import InputsError
+from exporter.inputs import padding_mask, plan_inputs
+from exporter.recipe import load_recipe
+
+
+def test_generated_text_inputs(tiny_models):
+    model = load_model(tiny_models["bert"]).model
+    section = load_recipe("cpu-fp32").inputs
+    plan = plan_inputs(model, section)
+    assert plan.names == ("input_ids", "attention_mask")
+    sample = plan.samples[0]
+    assert sample["input_ids"].shape == (2, 32) and sample["input_ids"].dtype == torch.int64
+    assert int(sample["input_ids"].max()) < model.config.vocab_size and int(sample["input_ids"].min()) >= 0
+    mask = sample["attention_mask"]
+    assert mask[0].all() and not mask[1].all() and mask[1, 0] == 1  # row 1 is padded at its end
+    again = plan_inputs(model, section)
+    assert torch.equal(again.samples[1]["input_ids"], plan.samples[1]["input_ids"])  # fixed seed
+    assert not torch.equal(plan.samples[0]["input_ids"], plan.samples[1]["input_ids"])
+    axes = plan.dynamic_axes()
+    assert axes["input_ids"][0].name == "batch" and axes["attention_mask"][1].name == "sequence"
+
+
+def test_padding_mask_keeps_a_token_per_row():
+    mask = padding_mask(8, 4)
+    assert mask.sum(dim=1).min() >= 1 and mask[0].all()
+
+
+def test_generated_pixels(tiny_models):
+    model = load_model(tiny_models["vit"]).model
+    plan = plan_inputs(model, load_recipe("cpu-fp32").inputs)
+    assert plan.names == ("pixel_values",)
+    assert plan.samples[0]["pixel_values"].shape == (2, 3, 32, 32)
+
+
+def test_samples_file_single_and_indexed(tiny_models, tmp_path):
+    model = load_model(tiny_models["gpt2"]).model
+    section = load_recipe("cpu-fp32").inputs
+    ids = torch.randint(0, 1000, (3, 10))
+    save_file({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, str(tmp_path / "one.safetensors"))
+    plan = plan_inputs(model, section, tmp_path / "one.safetensors")
+    assert len(plan.samples) == 1 and torch.equal(plan.samples[0]["input_ids"], ids)
+    assert plan.seed is None and plan.source.endswith("one.safetensors")
+    np.savez(tmp_path / "two.npz", **{"0.input_ids": ids.numpy(), "0.attention_mask": np.ones((3, 10), np.int64),
+                                       "1.input_ids": ids.numpy()[:1], "1.attention_mask": np.ones((1, 10), np.int64)})
+    plan = plan_inputs(model, section, tmp_path / "two.npz")
+    assert [s["input_ids"].shape[0] for s in plan.samples] == [3, 1]
+
+
+@pytest.mark.parametrize("tensors, fragment", [
+    ({"input_ids": torch.zeros(2, 8, dtype=torch.int64)}, "missing attention_mask"),
+    ({"input_ids": torch.zeros(2, 8), "attention_mask": torch.ones(2, 8, dtype=torch.int64)}, "has dtype float32"),
+    ({"input_ids": torch.zeros(2, 8, 3, dtype=torch.int64), "attention_mask": torch.ones(2, 8, dtype=torch.int64)},
+     "has 3 dims"),
+    ({"input_ids": torch.zeros(2, 999, dtype=torch.int64), "attention_mask": torch.ones(2, 999, dtype=torch.int64)},
+     "outside the recipe's range 2..512"),
+    ({"input_ids": torch.zeros(2, 8, dtype=torch.int64), "attention_mask": torch.ones(2, 8, dtype=torch.int64),
+      "labels": torch.zeros(2)}, "unexpected labels"),
+])
+def test_bad_samples_files(tiny_models, tmp_path, tensors, fragment):
+    model = load_model(tiny_models["gpt2"]).model
+    path = tmp_path / "bad.safetensors"
+    save_file(tensors, str(path))
+    with pytest.raises(InputsError, match=fragment):
+        plan_inputs(model, load_recipe("cpu-fp32").inputs, path)
+
+
+def test_unreadable_samples_file(tiny_models, tmp_path):
+    model = load_model(tiny_models["gpt2"]).model
+    path = tmp_path / "junk.safetensors"
+    path.write_bytes(b"\x00" * 4)
+    with pytest.raises(InputsError, match="too short"):
+        plan_inputs(model, load_recipe("cpu-fp32").inputs, path)
+    with pytest.raises(InputsError, match="does not exist"):
+        plan_inputs(model, load_recipe("cpu-fp32").inputs, tmp_path / "nope.safetensors")
+
+
+def test_custom_model_needs_declared_inputs(factory_checkpoint):
+    path, factory = factory_checkpoint
+    model = load_model(path, factory=factory).model
+    with pytest.raises(InputsError, match="declare them in the recipe"):
+        plan_inputs(model, load_recipe("cpu-fp32").inputs)

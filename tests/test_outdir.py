@@ -1,0 +1,62 @@
+"""The output folder: atomic files, no mixing of runs, a lock against concurrent runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from exporter.errors import OutputError
+from exporter.outdir import OutputFolder, write_atomic
+
+
+def test_publish_replaces_only_with_overwrite(tmp_path):
+    final = tmp_path / "out"
+    with OutputFolder(final) as folder:
+        write_atomic(folder.staging / "a.txt", "one")
+        folder.publish()
+    assert (final / "a.txt").read_text() == "one"
+    with pytest.raises(OutputError, match="already holds a run.*--overwrite"):
+        OutputFolder(final).open()
+    with OutputFolder(final, overwrite=True) as folder:
+        write_atomic(folder.staging / "b.txt", "two")
+        folder.publish()
+    assert sorted(p.name for p in final.iterdir()) == ["b.txt"]  # never a mix of two runs
+
+
+def test_a_failed_run_leaves_nothing(tmp_path):
+    final = tmp_path / "out"
+    with pytest.raises(RuntimeError):
+        with OutputFolder(final) as folder:
+            write_atomic(folder.staging / "half.txt", "x")
+            raise RuntimeError("stage failed")
+    assert not final.exists()
+    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_second_run_into_the_same_folder_fails_fast(tmp_path):
+    first = OutputFolder(tmp_path / "out")
+    first.open()
+    try:
+        with pytest.raises(OutputError, match="another exporter run is writing"):
+            OutputFolder(tmp_path / "out").open()
+    finally:
+        first.discard()
+        first.release()
+    second = OutputFolder(tmp_path / "out")
+    second.open()
+    second.discard()
+    second.release()
+
+
+def test_not_writable(tmp_path):
+    """A folder the user may not write (as root, where permissions do not bind: /sys, which refuses everyone)."""
+    import os
+
+    locked = tmp_path / "ro"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        parent = locked if not os.access(locked, os.W_OK) else __import__("pathlib").Path("/sys/exporter-test")
+        with pytest.raises(OutputError, match="(not writable|cannot write).*writable --out"):
+            OutputFolder(parent / "out").open()
+    finally:
+        locked.chmod(0o700)

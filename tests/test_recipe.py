@@ -1,0 +1,120 @@
+"""Recipes: typed, frozen, every problem listed at once, built-ins found after a plain install."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from exporter.errors import RecipeError
+from exporter.recipe import builtin_dir, builtin_names, load_recipe, parse_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_recipe_file_in_the_tree_validates():
+    files = sorted((ROOT / "recipes").rglob("*.toml"))
+    assert {"cpu-fp32", "h100-bf16"} <= {f.stem for f in files}
+    for path in files:
+        recipe = load_recipe(path)
+        assert recipe.name == path.stem
+        assert recipe.targets.build
+
+
+def test_builtin_names_match_files():
+    assert set(builtin_names()) >= {"cpu-fp32", "h100-bf16"}
+    assert builtin_dir().is_dir()
+
+
+def test_h100_recipe_values():
+    recipe = load_recipe("h100-bf16")
+    assert (recipe.runtime.device, recipe.runtime.dtype) == ("cuda", "bfloat16")
+    assert {"exported_program", "aoti", "onnx", "compile"} <= set(recipe.targets.build)
+    assert recipe.targets.compile_modes == ("max-autotune",)
+    assert recipe.numerics.multiplier("bfloat16") == 3.0
+
+
+def test_recipe_is_frozen():
+    recipe = load_recipe("cpu-fp32")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        recipe.runtime.device = "cuda"  # type: ignore[misc]
+
+
+def test_every_problem_is_listed_at_once():
+    data = {
+        "schema_version": 1,
+        "colour": "blue",
+        "runtime": {"device": "tpu", "dtype": 3, "atention_backend": "flash"},
+        "targets": {"build": ["onnx", "pdf"], "onnx_opset": 12},
+        "numerics": {"k": 0.5},
+        "inputs": {"dims": {"batch": {"size": 4, "min": 8, "max": 16}}},
+    }
+    with pytest.raises(RecipeError) as info:
+        parse_recipe(data, "bad", "bad.toml")
+    message = info.value.message
+    for fragment in ("colour: unknown key", "runtime.device", "runtime.dtype: expected str",
+                     "did you mean 'attention_backend'", "'pdf' is not one of", "onnx_opset", "numerics.k",
+                     "min <= size <= max"):
+        assert fragment in message, fragment
+    assert "8 problem(s)" in message
+
+
+def test_schema_version_is_required_and_checked():
+    with pytest.raises(RecipeError, match="schema_version: required"):
+        parse_recipe({}, "x", "x.toml")
+    with pytest.raises(RecipeError, match="version 7 is not supported"):
+        parse_recipe({"schema_version": 7}, "x", "x.toml")
+
+
+def test_contradictions_are_rejected():
+    with pytest.raises(RecipeError, match="needs device 'cuda'"):
+        parse_recipe({"schema_version": 1, "runtime": {"attention_backend": "flash"}}, "x", "x.toml")
+    with pytest.raises(RecipeError, match="reduce-overhead"):
+        parse_recipe({"schema_version": 1, "targets": {"build": ["compile"], "compile_modes": ["reduce-overhead"]}},
+                     "x", "x.toml")
+
+
+def test_unknown_name_suggests_close_ones():
+    with pytest.raises(RecipeError) as info:
+        load_recipe("cpu-fp23")
+    assert "did you mean cpu-fp32" in info.value.one_line()
+
+
+def test_recipe_from_path_and_bad_toml(write_recipe):
+    good = write_recipe('schema_version = 1\n[runtime]\ndtype = "float32"\n', "mine.toml")
+    assert load_recipe(good).name == "mine"
+    bad = write_recipe("schema_version = = 1\n", "broken.toml")
+    with pytest.raises(RecipeError, match="not valid TOML"):
+        load_recipe(bad)
+    with pytest.raises(RecipeError, match="does not exist"):
+        load_recipe(str(good.parent / "missing.toml"))
+
+
+def test_declared_tensors_must_use_declared_dims():
+    data = {"schema_version": 1, "inputs": {"dims": {"batch": 2},
+                                            "tensor": [{"name": "x", "shape": ["batch", "time"]}]}}
+    with pytest.raises(RecipeError, match="dim 'time' is not declared"):
+        parse_recipe(data, "x", "x.toml")
+
+
+def test_builtin_recipes_resolve_after_a_plain_install(tmp_path):
+    """Build the wheel, install it into an empty folder, and list the recipes from there."""
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(wheels), str(ROOT)], check=True)
+    wheel = next(wheels.glob("exporter-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "exporter/recipes/cpu-fp32.toml" in names
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+                   check=True)
+    code = ("import exporter.recipe as r; print(r.builtin_dir()); print(','.join(r.builtin_names())); "
+            "print(r.load_recipe('h100-bf16').runtime.device)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path,
+                         env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}).stdout.splitlines()
+    assert out[0].startswith(str(target))
+    assert "cpu-fp32" in out[1].split(",") and out[2] == "cuda"
