@@ -13,7 +13,7 @@ import gc
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -128,3 +128,33 @@ def interleaved(variants: list[Timed], warmup: int, rounds: int, iterations: int
                 on_error(variant, exc)
                 alive.remove(variant)
     return {name: t for name, t in times.items() if t}
+
+
+def summarize(times: list[float], batch: int, flops: int, peak_tflops: float) -> dict[str, Any]:
+    """Latency percentiles, throughput and achieved TFLOP/s (and utilisation when the peak is known)."""
+    timing = Timing.of(times)
+    entry: dict[str, Any] = dict(vars(timing))
+    entry["batch"] = int(batch)
+    entry["throughput_per_s"] = batch * 1000.0 / timing.median_ms if timing.median_ms > 0 else None
+    if flops:
+        tflops = flops / (timing.median_ms / 1000.0) / 1e12
+        entry["tflops"] = tflops
+        entry["utilisation"] = tflops / peak_tflops if peak_tflops > 0 else None
+    return entry
+
+
+def run_benchmark(live: dict[str, Any], sample, warmup: int, rounds: int, iterations: int,
+                  describe_error: Callable[[BaseException], str]) -> tuple[dict[str, list[float]], dict[str, str]]:
+    """Prepare each runner's input, time them interleaved; return (times by name, failure reason by name)."""
+    failed: dict[str, str] = {}
+    for name, runner in live.items():
+        try:
+            runner.set_bench_input(sample)
+        except Exception as exc:
+            failed[name] = describe_error(exc)
+
+    def on_error(variant, exc):
+        failed[variant.name] = describe_error(exc)
+
+    variants = [r for n, r in live.items() if n not in failed]
+    return interleaved(variants, warmup, rounds, iterations, on_error), failed

@@ -129,5 +129,61 @@ def count_graph_ops(graph) -> dict[str, int]:
     return counts
 
 
+def build_targets(ctx: BuildContext, progress, log: Callable[[str, str], None]):
+    """Build every target the recipe lists, in ORDER; one failing target loses none of the others.
+
+    Returns (VariantResult, RunnerSpec or None) pairs; the program all program-based targets share is
+    exported once, first.
+    """
+    import time
+    import traceback
+
+    from ..errors import ExporterError
+    from ..report import file_entry
+    from ..results import FAILED, SKIPPED, VariantResult
+    from .exported_program import export_program, first_line
+
+    wanted = [t for t in ORDER if t in ctx.recipe.targets.build]
+    built: list[tuple[VariantResult, RunnerSpec | None]] = []
+    if any((get(t).needs_program or t == "exported_program") and get(t).unavailable() is None for t in wanted):
+        with progress.stage("torch.export"):
+            t0 = time.perf_counter()
+            try:
+                ctx.program = export_program(ctx)
+            except Exception as exc:
+                ctx.program_error = first_line(exc)
+                log("torch.export", traceback.format_exc())
+                progress.warn(f"torch.export failed: {ctx.program_error}")
+            ctx.program_export_s = time.perf_counter() - t0
+    for name in wanted:
+        target = get(name)
+        reason = target.unavailable()
+        if reason is not None:
+            built.append((VariantResult(name, name, status=SKIPPED, error=reason), None))
+            progress.info(f"{name}: skipped ({reason})")
+            continue
+        if (target.needs_program or name == "exported_program") and ctx.program is None:
+            error = f"needs the exported program, which failed: {ctx.program_error}"
+            built.append((VariantResult(name, name, status=FAILED, error=error), None))
+            continue
+        try:
+            with progress.stage(f"build {name}"):
+                items = target.build(ctx)
+        except ExporterError:
+            raise
+        except Exception as exc:
+            log(name, traceback.format_exc())
+            built.append((VariantResult(name, name, status=FAILED, error=f"build failed: {first_line(exc)}"), None))
+            continue
+        for item in items:
+            spec = item.runner
+            built.append((VariantResult(
+                name, item.name, path=item.path.relative_to(ctx.staging) if item.path else None,
+                files=[file_entry(p, ctx.staging) for p in item.files], build_s=item.build_s, notes=list(item.notes),
+                graph=dict(item.graph), device=spec.device if spec else None, dtype=spec.dtype if spec else None),
+                spec))
+    return built
+
+
 __all__ = ["BuildContext", "Built", "Target", "REGISTRY", "register", "get", "load_runner", "ORDER",
-           "count_graph_ops"]
+           "count_graph_ops", "build_targets"]
