@@ -17,6 +17,7 @@ import torch
 from . import report as report_mod
 from .bench import run_benchmark, summarize
 from .checkpoint import check_finite, load_model
+from .errors import CheckpointError
 from .inputs import DTYPES, plan_inputs
 from .modelio import Signature, discover_outputs
 from .outdir import os_problem
@@ -95,7 +96,11 @@ class ConvertRun:
             self.loaded = loaded = load_model(self.checkpoint, recipe.model.factory, self.allow_pickle)
             bad = check_finite(loaded.model)
             if bad:
-                self.warnings.append(f"weights hold NaN or Inf: {', '.join(bad[:8])}")
+                listing = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+                if recipe.model.nonfinite_weights == "error":
+                    raise CheckpointError(f"checkpoint {self.checkpoint} holds NaN or Inf in {listing}",
+                                          "fix the weights, or set [model] nonfinite_weights = \"warn\"")
+                self.warnings.append(f"weights hold NaN or Inf: {listing}")
                 progress.warn(self.warnings[-1])
 
         with progress.stage("inputs"):
@@ -117,6 +122,7 @@ class ConvertRun:
                           f"{audit.count('skipped')} skipped")
 
         loaded.model.to(device=device, dtype=DTYPES[dtype])
+        rewritten.to(device=device, dtype=DTYPES[dtype])  # a rewritten graph may hold its own buffers
         example = [(t.to(DTYPES[dtype]) if t.is_floating_point() else t).to(device) for t in samples[0]]
         source = ModelSource(str(self.checkpoint.resolve()), recipe.model.factory, self.allow_pickle,
                              signature.inputs, signature.outputs, str(inputs_path))

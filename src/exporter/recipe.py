@@ -60,10 +60,14 @@ class TensorSpec:
     high: float = 1.0
 
 
+NONFINITE_POLICIES = ("warn", "error")
+
+
 @dataclass(frozen=True)
 class ModelSection:
     factory: str | None = None
     outputs: tuple[str, ...] = ()
+    nonfinite_weights: str = "warn"  # NaN/Inf in the checkpoint: "warn" (default) or "error"
 
 
 @dataclass(frozen=True)
@@ -292,11 +296,13 @@ def parse_recipe(data: dict, name: str, source: str) -> Recipe:
         return value
 
     t = table("model")
-    _unknown(t, {"factory", "outputs"}, "model", p)
+    _unknown(t, {"factory", "outputs", "nonfinite_weights"}, "model", p)
     factory = _get(t, "factory", str, None, "model", p)
     if factory is not None and not _FACTORY.match(factory):
         p.add("model.factory", f"{factory!r} is not of the form package.module:function")
-    model = ModelSection(factory=factory, outputs=_str_list(t, "outputs", (), "model", p))
+    model = ModelSection(factory=factory, outputs=_str_list(t, "outputs", (), "model", p),
+                         nonfinite_weights=_get(t, "nonfinite_weights", str, "warn", "model", p))
+    _choice(model.nonfinite_weights, NONFINITE_POLICIES, "model.nonfinite_weights", p)
 
     t = table("runtime")
     d = RuntimeSection()
