@@ -16,10 +16,10 @@ from typing import Any
 from . import report as report_mod
 from .checkpoint import load_model
 from .environment import check_machine
-from .errors import CheckpointError, Interrupted
+from .errors import CheckpointError, ExporterError, Interrupted
 from .inputs import plan_inputs
 from .modelio import Signature, discover_outputs
-from .outdir import OutputFolder, model_name, os_problem
+from .outdir import OutputFolder, disk_full, model_name, os_problem
 from .pipeline import ConvertRun
 from .prepare import original_module, rewrite
 from .progress import Progress
@@ -67,6 +67,13 @@ def _signals():
         signal.signal(signal.SIGTERM, previous)
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (Linux reports ru_maxrss in KiB)."""
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
 def convert(checkpoint: str | Path, recipe: str | Path | Recipe = "cpu-fp32", out: str | Path | None = None, *,
             model: str | None = None, inputs: str | Path | None = None, allow_drift: bool = False,
             allow_pickle: bool = False, overwrite: bool = False, progress: Progress | None = None) -> ConvertResult:
@@ -86,9 +93,16 @@ def convert(checkpoint: str | Path, recipe: str | Path | Recipe = "cpu-fp32", ou
         run = ConvertRun(checkpoint, recipe_obj, folder.staging, inputs, allow_drift, allow_pickle, progress)
         try:
             data = run.execute()
+            data["memory"] = {"convert_peak_rss_bytes": peak_rss_bytes(),
+                              "checkpoint_bytes": data["model"]["checkpoint_bytes"]}
             report_mod.write_all(folder.staging, data, run.manifest_inputs())
-        except OSError as exc:
-            raise os_problem(exc, folder.staging) from None
+        except ExporterError:
+            raise
+        except Exception as exc:
+            full = disk_full(exc)
+            if full is not None:
+                raise os_problem(full, folder.final) from None
+            raise
         finally:
             run.close()
         published = folder.publish()

@@ -53,9 +53,26 @@ def write_json(path: Path, value: Any) -> None:
     write_atomic(path, json.dumps(value, indent=2, sort_keys=False, default=str) + "\n")
 
 
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def disk_full(exc: BaseException) -> OSError | None:
+    """The OSError that says the disk (or quota, or file size limit) is full, anywhere in ``exc``'s chain."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in DISK_FULL:
+            return exc
+        if "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc):  # wrapped by a library
+            return OSError(errno.ENOSPC, "No space left on device")
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def _os_problem(exc: OSError, path: Path) -> OutputError:
-    if exc.errno == errno.ENOSPC:
-        return OutputError(f"the disk filled up while writing {path}", "free disk space or choose another --out")
+    if exc.errno in DISK_FULL:
+        return OutputError(f"the disk filled up while writing {path} ({exc.strerror})",
+                           "free disk space or choose another --out")
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return OutputError(f"cannot write {path}: {exc.strerror}", "choose a writable --out folder")
     return OutputError(f"cannot write {path}: {exc.strerror or exc}", "check the --out folder")

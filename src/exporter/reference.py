@@ -51,7 +51,38 @@ def cast_in_place(model: nn.Module, dtype: torch.dtype, device: str = "cpu"):
                     module._buffers[leaf] = restored
 
 
-def _reference_dtype(model: nn.Module) -> tuple[torch.dtype, str]:
+@contextlib.contextmanager
+def upcast_while_running(model: nn.Module, dtype: torch.dtype):
+    """Give each module its own parameters and buffers in ``dtype`` only while its forward runs.
+
+    Peak memory grows by one module's weights in ``dtype`` instead of a copy of the whole model. A module
+    whose forward reads another module's weights directly would see them uncast; callers fall back.
+    """
+    stash: dict[int, list[dict[str, torch.Tensor]]] = {}
+
+    def before(module, args, kwargs):
+        saved = {}
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+                    saved[name] = tensor
+                    cast = tensor.detach().to(dtype)
+                    table[name] = nn.Parameter(cast, requires_grad=False) if table is module._parameters else cast
+        stash.setdefault(id(module), []).append(saved)
+
+    def after(module, args, kwargs, output):
+        for name, tensor in stash[id(module)].pop().items():
+            (module._parameters if name in module._parameters else module._buffers)[name] = tensor
+
+    with contextlib.ExitStack() as stack:
+        for module in model.modules():
+            stack.callback(module.register_forward_pre_hook(before, with_kwargs=True).remove)
+            stack.callback(module.register_forward_hook(after, with_kwargs=True, always_call=True).remove)
+        yield model
+
+
+def _whole_model_dtype(model: nn.Module) -> tuple[torch.dtype, str]:
+    """float64 when a float64 copy of the model fits in free memory, else float32 (with a note)."""
     try:
         import psutil
 
@@ -65,12 +96,10 @@ def _reference_dtype(model: nn.Module) -> tuple[torch.dtype, str]:
     return torch.float64, ""
 
 
-def run_reference(io: IOModule, samples: list[dict[str, torch.Tensor]], count_flops: bool = True) -> Reference:
-    """Outputs of ``io`` (which must hold the original, non-rewritten model) in float64 on the CPU."""
-    dtype, note = _reference_dtype(io)
+def _run(io: IOModule, samples, dtype: torch.dtype, count_flops: bool) -> tuple[list[Outputs], int]:
     outputs: list[Outputs] = []
     flops = 0
-    with cast_in_place(io, dtype), torch.inference_mode():
+    with torch.inference_mode():
         for index, sample in enumerate(samples):
             args = cast_sample(sample, dtype)
             if index == 0 and count_flops:
@@ -83,4 +112,25 @@ def run_reference(io: IOModule, samples: list[dict[str, torch.Tensor]], count_fl
             else:
                 result = io(*args)
             outputs.append([t.detach().clone() for t in result])
+    return outputs, flops
+
+
+def run_reference(io: IOModule, samples: list[dict[str, torch.Tensor]], count_flops: bool = True) -> Reference:
+    """Outputs of ``io`` (which must hold the original, non-rewritten model) in float64 on the CPU.
+
+    First each module is upcast only while it runs (no second copy of the weights). If the model does
+    not run that way (a module reading another's weights), the whole model is cast in place when a
+    float64 copy fits in memory, else the reference runs in float32 and says so.
+    """
+    io.to("cpu")
+    try:
+        with upcast_while_running(io, torch.float64):
+            outputs, flops = _run(io, samples, torch.float64, count_flops)
+        return Reference(outputs, "float64", flops)
+    except RuntimeError as exc:
+        first = " ".join(str(exc).split())[:160]
+        dtype, note = _whole_model_dtype(io)
+        note = (note + "; " if note else "") + f"per-module upcast failed ({first}); whole model cast instead"
+    with cast_in_place(io, dtype):
+        outputs, flops = _run(io, samples, dtype, count_flops)
     return Reference(outputs, str(dtype).replace("torch.", ""), flops, note)

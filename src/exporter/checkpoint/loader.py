@@ -199,11 +199,16 @@ def _is_nonpersistent_buffer(model: nn.Module, name: str) -> bool:
     return leaf in module._buffers and leaf in module._non_persistent_buffers_set
 
 
+def _all_finite(tensor: torch.Tensor, chunk: int = 1 << 22) -> bool:
+    # In chunks: isfinite over a whole tensor makes temporaries larger than the tensor itself.
+    return all(bool(torch.isfinite(part).all()) for part in tensor.detach().reshape(-1).split(chunk))
+
+
 def check_finite(model: nn.Module, limit: int = 64) -> list[str]:
     """Names of floating-point parameters and buffers holding NaN or Inf (reads every weight once)."""
     bad = []
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-        if tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor).all()):
+        if tensor.is_floating_point() and tensor.numel() and not _all_finite(tensor):
             bad.append(name)
             if len(bad) >= limit:
                 break

@@ -139,6 +139,7 @@ def build_targets(ctx: BuildContext, progress, log: Callable[[str, str], None]):
     import traceback
 
     from ..errors import ExporterError
+    from ..outdir import disk_full, os_problem
     from ..report import file_entry
     from ..results import FAILED, SKIPPED, VariantResult
     from .exported_program import export_program, first_line
@@ -151,6 +152,8 @@ def build_targets(ctx: BuildContext, progress, log: Callable[[str, str], None]):
             try:
                 ctx.program = export_program(ctx)
             except Exception as exc:
+                if disk_full(exc) is not None:
+                    raise
                 ctx.program_error = first_line(exc)
                 log("torch.export", traceback.format_exc())
                 progress.warn(f"torch.export failed: {ctx.program_error}")
@@ -172,6 +175,9 @@ def build_targets(ctx: BuildContext, progress, log: Callable[[str, str], None]):
         except ExporterError:
             raise
         except Exception as exc:
+            full = disk_full(exc)
+            if full is not None:  # no other target can be written either: stop the run
+                raise os_problem(full, Path(full.filename or ctx.staging)) from None
             log(name, traceback.format_exc())
             built.append((VariantResult(name, name, status=FAILED, error=f"build failed: {first_line(exc)}"), None))
             continue

@@ -1,0 +1,475 @@
+"""The catalogue of bad inputs and faults: each case builds its own broken input and says what must happen.
+
+Used by tests/test_errors.py (every case is a test) and by scripts/error_catalogue.py, which runs every
+case through the real command line and writes docs/errors.md from what actually came out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+QUICK_RECIPE = """schema_version = 1
+description = "one cheap target, a short benchmark"
+[targets]
+build = ["exported_program"]
+[bench]
+warmup = 0
+rounds = 1
+iterations = 1
+"""
+
+
+@dataclass
+class Assets:
+    """Inputs shared by the cases: a tiny GPT-2 checkpoint folder and a user factory module."""
+
+    root: Path
+    gpt2: Path
+    factory_dir: Path
+    factory_module: str
+
+    @property
+    def weights(self) -> Path:
+        return self.gpt2 / "model.safetensors"
+
+
+@dataclass
+class Case:
+    name: str
+    category: str
+    argv: list[str]
+    code: int
+    fragment: str  # must appear in the one error line
+    env: dict[str, str] = field(default_factory=dict)
+    out: Path | None = None  # the output folder that must not exist afterwards (None: only artifacts/)
+    output_allowed: bool = False  # the run succeeds (e.g. a warning case)
+    cleanup: Callable[[], None] | None = None
+
+
+CASES: list[tuple[str, str, Callable[[Path, Assets], Case]]] = []
+
+
+def case(category: str, name: str):
+    def register(build):
+        CASES.append((category, name, build))
+        return build
+    return register
+
+
+def make_assets(root: Path) -> Assets:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=64, bos_token_id=0, eos_token_id=0))
+    gpt2 = root / "gpt2"
+    model.save_pretrained(gpt2)
+    factory_dir = root / "factories"
+    factory_dir.mkdir()
+    module = "catalogue_factories"
+    (factory_dir / f"{module}.py").write_text(
+        "import torch.nn as nn\n"
+        "def good(config=None):\n    return nn.Linear(4, 4)\n"
+        "def raises(config=None):\n    raise ValueError('hidden size must be even')\n"
+        "def not_a_module(config=None):\n    return {'weight': 1}\n")
+    return Assets(root, gpt2, factory_dir, module)
+
+
+def run(case_: Case, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, **case_.env}
+    return subprocess.run([sys.executable, "-m", "exporter", *case_.argv], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=timeout)
+
+
+def error_line(stderr: str) -> str:
+    lines = [ln for ln in stderr.splitlines() if ln.startswith("error:")]
+    return lines[-1] if lines else ""
+
+
+# --------------------------------------------------------------------------- safetensors surgery
+
+
+def read_parts(path: Path) -> tuple[dict, bytes]:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+
+def write_parts(path: Path, header: dict | bytes, data: bytes, header_len: int | None = None) -> Path:
+    body = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(body) if header_len is None else header_len) + body + data)
+    return path
+
+
+def damaged(assets: Assets, tmp: Path, mutate: Callable[[dict, bytes], tuple]) -> Path:
+    """A copy of the tiny GPT-2 folder whose model.safetensors was rewritten by ``mutate``."""
+    folder = tmp / "damaged"
+    shutil.copytree(assets.gpt2, folder)
+    header, data = read_parts(folder / "model.safetensors")
+    result = mutate(header, data)
+    write_parts(folder / "model.safetensors", *result)
+    return folder
+
+
+def _tensor_names(header: dict) -> list[str]:
+    return sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+
+
+def convert(path: Path, tmp: Path, *extra: str) -> list[str]:
+    recipe = tmp / "quick.toml"
+    recipe.write_text(QUICK_RECIPE)
+    return ["convert", str(path), "--recipe", str(recipe), "--out", str(tmp / "out"), *extra]
+
+
+# --------------------------------------------------------------------------- checkpoint
+
+
+@case("checkpoint", "missing file")
+def _(tmp, a):
+    return Case("missing file", "checkpoint", convert(tmp / "nope.safetensors", tmp), 2, "does not exist")
+
+
+@case("checkpoint", "folder without weights")
+def _(tmp, a):
+    folder = tmp / "empty"
+    folder.mkdir()
+    (folder / "config.json").write_text((a.gpt2 / "config.json").read_text())
+    return Case("folder without weights", "checkpoint", convert(folder, tmp), 2, "holds no weights")
+
+
+@case("checkpoint", "truncated file")
+def _(tmp, a):
+    folder = damaged(a, tmp, lambda h, d: (h, d[:-1000]))
+    return Case("truncated file", "checkpoint", convert(folder, tmp), 2, "outside the")
+
+
+@case("checkpoint", "header length larger than the file")
+def _(tmp, a):
+    folder = damaged(a, tmp, lambda h, d: (json.dumps(h).encode(), d, 10**7))
+    return Case("header length larger than the file", "checkpoint", convert(folder, tmp), 2,
+                "is larger than the file")
+
+
+@case("checkpoint", "header JSON invalid")
+def _(tmp, a):
+    folder = damaged(a, tmp, lambda h, d: (b"{not json" + b" " * (len(json.dumps(h)) - 9), d))
+    return Case("header JSON invalid", "checkpoint", convert(folder, tmp), 2, "header is not valid JSON")
+
+
+@case("checkpoint", "header absurdly large")
+def _(tmp, a):
+    folder = damaged(a, tmp, lambda h, d: (json.dumps(h).encode(), d, 2**40))
+    return Case("header absurdly large", "checkpoint", convert(folder, tmp), 2, "exceeds the format's limit")
+
+
+@case("checkpoint", "tensor offsets out of range")
+def _(tmp, a):
+    def mutate(h, d):
+        last = _tensor_names(h)[-1]
+        begin, end = h[last]["data_offsets"]
+        h[last]["data_offsets"] = [begin + 10**6, end + 10**6]
+        return h, d
+    return Case("tensor offsets out of range", "checkpoint", convert(damaged(a, tmp, mutate), tmp), 2,
+                "outside the")
+
+
+@case("checkpoint", "tensor offsets overlapping")
+def _(tmp, a):
+    def mutate(h, d):
+        first, second = _tensor_names(h)[:2]
+        size = h[second]["data_offsets"][1] - h[second]["data_offsets"][0]
+        start = h[first]["data_offsets"][0]
+        h[second]["data_offsets"] = [start, start + size]
+        return h, d
+    return Case("tensor offsets overlapping", "checkpoint", convert(damaged(a, tmp, mutate), tmp), 2, "overlaps")
+
+
+@case("checkpoint", "unknown dtype")
+def _(tmp, a):
+    def mutate(h, d):
+        h[_tensor_names(h)[0]]["dtype"] = "F128"
+        return h, d
+    return Case("unknown dtype", "checkpoint", convert(damaged(a, tmp, mutate), tmp), 2, "unknown dtype 'F128'")
+
+
+def _with_nan(a: Assets, tmp: Path) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp / "nan"
+    shutil.copytree(a.gpt2, folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["transformer.h.0.mlp.c_fc.weight"][0, 0] = float("nan")
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+@case("checkpoint", "NaN weights (default: warning)")
+def _(tmp, a):
+    return Case("NaN weights (default: warning)", "checkpoint", convert(_with_nan(a, tmp), tmp), 0,
+                "", output_allowed=True)
+
+
+@case("checkpoint", "NaN weights with nonfinite_weights = \"error\"")
+def _(tmp, a):
+    argv = convert(_with_nan(a, tmp), tmp)
+    (tmp / "quick.toml").write_text(QUICK_RECIPE + '[model]\nnonfinite_weights = "error"\n')
+    return Case("NaN weights, recipe says error", "checkpoint", argv, 2, "holds NaN or Inf")
+
+
+def _rewritten_weights(a: Assets, tmp: Path, edit: Callable[[dict], None]) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp / "keys"
+    shutil.copytree(a.gpt2, folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+@case("checkpoint", "missing keys")
+def _(tmp, a):
+    folder = _rewritten_weights(a, tmp, lambda t: t.pop("transformer.ln_f.weight"))
+    return Case("missing keys", "checkpoint", convert(folder, tmp), 2, "missing: transformer.ln_f.weight")
+
+
+@case("checkpoint", "unexpected keys")
+def _(tmp, a):
+    folder = _rewritten_weights(a, tmp, lambda t: t.update({"transformer.extra.weight": torch.zeros(2)}))
+    return Case("unexpected keys", "checkpoint", convert(folder, tmp), 2, "unexpected: transformer.extra.weight")
+
+
+@case("checkpoint", "mis-shaped keys")
+def _(tmp, a):
+    folder = _rewritten_weights(a, tmp, lambda t: t.update({"transformer.wpe.weight": torch.zeros(3, 3)}))
+    return Case("mis-shaped keys", "checkpoint", convert(folder, tmp), 2, "mis-shaped: transformer.wpe.weight")
+
+
+@case("checkpoint", "shard index naming a missing shard")
+def _(tmp, a):
+    folder = tmp / "sharded"
+    shutil.copytree(a.gpt2, folder)
+    header, _ = read_parts(folder / "model.safetensors")
+    names = [k for k in header if k != "__metadata__"]
+    weight_map = {n: "model.safetensors" for n in names[1:]}
+    weight_map[names[0]] = "model-00002-of-00002.safetensors"
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return Case("shard index naming a missing shard", "checkpoint", convert(folder, tmp), 2,
+                "names missing shard(s): model-00002-of-00002.safetensors")
+
+
+@case("checkpoint", "pickle file without --allow-pickle")
+def _(tmp, a):
+    from safetensors.torch import load_file
+
+    folder = tmp / "pickled"
+    folder.mkdir()
+    (folder / "config.json").write_text((a.gpt2 / "config.json").read_text())
+    torch.save(load_file(str(a.weights)), folder / "pytorch_model.bin")
+    return Case("pickle file without --allow-pickle", "checkpoint", convert(folder / "pytorch_model.bin", tmp), 2,
+                "pass --allow-pickle")
+
+
+# --------------------------------------------------------------------------- architecture and config
+
+
+@case("architecture", "no config.json and no --model")
+def _(tmp, a):
+    folder = tmp / "bare"
+    folder.mkdir()
+    shutil.copy(a.weights, folder / "model.safetensors")
+    return Case("no config.json and no --model", "architecture", convert(folder, tmp), 2,
+                "no --model factory was given and there is no config.json")
+
+
+@case("architecture", "architecture transformers does not know")
+def _(tmp, a):
+    folder = tmp / "unknown"
+    shutil.copytree(a.gpt2, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["architectures"] = ["GPT2ForTimeTravel"]
+    (folder / "config.json").write_text(json.dumps(config))
+    return Case("architecture transformers does not know", "architecture", convert(folder, tmp), 2,
+                "'GPT2ForTimeTravel' from config.json is not known to transformers")
+
+
+@case("architecture", "transformers not installed")
+def _(tmp, a):
+    shadow = tmp / "shadow"
+    shadow.mkdir()
+    (shadow / "transformers.py").write_text("raise ImportError(\"No module named 'transformers'\")\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(shadow), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    return Case("transformers not installed", "architecture", convert(a.gpt2, tmp), 5,
+                "transformers is not installed", env=env)
+
+
+def _factory_env(a: Assets) -> dict[str, str]:
+    return {"PYTHONPATH": os.pathsep.join([str(a.factory_dir), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+
+
+@case("architecture", "factory module fails to import")
+def _(tmp, a):
+    return Case("factory module fails to import", "architecture",
+                convert(a.weights, tmp, "--model", "no_such_package.models:build"), 2,
+                "cannot import factory module 'no_such_package.models'")
+
+
+@case("architecture", "factory raises")
+def _(tmp, a):
+    return Case("factory raises", "architecture", convert(a.weights, tmp, "--model", f"{a.factory_module}:raises"),
+                2, "raised ValueError: hidden size must be even", env=_factory_env(a))
+
+
+@case("architecture", "factory returns something that is not a module")
+def _(tmp, a):
+    return Case("factory returns something that is not a module", "architecture",
+                convert(a.weights, tmp, "--model", f"{a.factory_module}:not_a_module"), 2,
+                "returned dict, not a torch.nn.Module", env=_factory_env(a))
+
+
+# --------------------------------------------------------------------------- recipe and inputs
+
+
+@case("recipe and inputs", "unknown recipe name")
+def _(tmp, a):
+    return Case("unknown recipe name", "recipe and inputs",
+                ["convert", str(a.gpt2), "--recipe", "h100-fp16", "--out", str(tmp / "out")], 2,
+                "did you mean h100-bf16")
+
+
+def _recipe_file(tmp: Path, text: str) -> Path:
+    path = tmp / "bad.toml"
+    path.write_text(text)
+    return path
+
+
+@case("recipe and inputs", "unknown keys")
+def _(tmp, a):
+    path = _recipe_file(tmp, 'schema_version = 1\n[runtime]\ndevise = "cpu"\n[bench]\nrepeats = 3\n')
+    return Case("unknown keys", "recipe and inputs", ["convert", str(a.gpt2), "--recipe", str(path)], 2,
+                "runtime.devise: unknown key (did you mean 'device'?)")
+
+
+@case("recipe and inputs", "wrong types")
+def _(tmp, a):
+    path = _recipe_file(tmp, 'schema_version = 1\n[bench]\nwarmup = "five"\n[inputs]\nsamples = 2.5\n')
+    return Case("wrong types", "recipe and inputs", ["convert", str(a.gpt2), "--recipe", str(path)], 2,
+                "bench.warmup: expected int, got str")
+
+
+@case("recipe and inputs", "settings that contradict each other")
+def _(tmp, a):
+    path = _recipe_file(tmp, 'schema_version = 1\n[runtime]\ndevice = "cpu"\nattention_backend = "cudnn"\n'
+                             '[targets]\nbuild = ["compile"]\ncompile_modes = ["reduce-overhead"]\n')
+    return Case("settings that contradict each other", "recipe and inputs",
+                ["convert", str(a.gpt2), "--recipe", str(path)], 2, "'cudnn' needs device 'cuda'")
+
+
+@case("recipe and inputs", "CUDA recipe on a machine without a GPU")
+def _(tmp, a):
+    return Case("CUDA recipe on a machine without a GPU", "recipe and inputs",
+                ["convert", str(a.gpt2), "--recipe", "h100-bf16", "--out", str(tmp / "out")], 5, "no usable GPU")
+
+
+def _samples(tmp: Path, tensors: dict) -> Path:
+    from safetensors.torch import save_file
+
+    path = tmp / "samples.safetensors"
+    save_file(tensors, str(path))
+    return path
+
+
+@case("recipe and inputs", "inputs file with a missing name")
+def _(tmp, a):
+    path = _samples(tmp, {"input_ids": torch.zeros(2, 8, dtype=torch.int64)})
+    return Case("inputs file with a missing name", "recipe and inputs",
+                convert(a.gpt2, tmp, "--inputs", str(path)), 2, "missing attention_mask")
+
+
+@case("recipe and inputs", "inputs file with a wrong shape")
+def _(tmp, a):
+    path = _samples(tmp, {"input_ids": torch.zeros(2, 8, 4, dtype=torch.int64),
+                          "attention_mask": torch.ones(2, 8, dtype=torch.int64)})
+    return Case("inputs file with a wrong shape", "recipe and inputs",
+                convert(a.gpt2, tmp, "--inputs", str(path)), 2, "input_ids has 3 dims")
+
+
+@case("recipe and inputs", "inputs file with a wrong dtype")
+def _(tmp, a):
+    path = _samples(tmp, {"input_ids": torch.zeros(2, 8), "attention_mask": torch.ones(2, 8, dtype=torch.int64)})
+    return Case("inputs file with a wrong dtype", "recipe and inputs",
+                convert(a.gpt2, tmp, "--inputs", str(path)), 2, "input_ids has dtype float32")
+
+
+# --------------------------------------------------------------------------- output
+
+
+@case("output and faults", "output folder not writable")
+def _(tmp, a):
+    if os.geteuid() == 0:
+        out = Path("/sys/exporter-catalogue/out")  # refuses writes even to root
+    else:
+        locked = tmp / "locked"
+        locked.mkdir()
+        locked.chmod(0o500)
+        out = locked / "out"
+    argv = convert(a.gpt2, tmp)
+    argv[argv.index("--out") + 1] = str(out)
+    return Case("output folder not writable", "output and faults", argv, 5, "writable --out", out=out)
+
+
+@case("output and faults", "output folder from an earlier run")
+def _(tmp, a):
+    out = tmp / "out"
+    out.mkdir()
+    (out / "report.json").write_text("{}")
+    return Case("output folder from an earlier run", "output and faults", convert(a.gpt2, tmp), 5,
+                "already holds a run", output_allowed=True)
+
+
+@case("output and faults", "a second convert into the same folder")
+def _(tmp, a):
+    from exporter.outdir import OutputFolder
+
+    holder = OutputFolder(tmp / "out")
+    holder.open()
+
+    def release():
+        holder.discard()
+        holder.release()
+
+    return Case("a second convert into the same folder", "output and faults", convert(a.gpt2, tmp), 5,
+                "another exporter run is writing", cleanup=release)
+
+
+@case("output and faults", "the disk fills up mid-write")
+def _(tmp, a):
+    """A 64 KiB tmpfs as the output's parent: the inputs fit, the float64 reference outputs (100 KiB) do not."""
+    mount = tmp / "small-disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"cannot mount a small tmpfs here ({done.stderr.decode().strip()}): needs root")
+    argv = convert(a.gpt2, tmp)
+    argv[argv.index("--out") + 1] = str(mount / "out")
+
+    def unmount():
+        for _ in range(5):
+            if subprocess.run(["umount", str(mount)], capture_output=True).returncode == 0:
+                return
+            time.sleep(0.5)
+
+    return Case("the disk fills up mid-write", "output and faults", argv, 5, "the disk filled up while writing",
+                out=mount / "out", cleanup=unmount)
