@@ -22,12 +22,20 @@ class Site:
     heads: int | None = None
     kv_heads: int | None = None
     head_dim: int | None = None
+    node: str = ""  # graph node of the softmax, for sites found in a traced graph
+    pattern: str = ""  # the ops matched, e.g. "matmul → div → masked_fill → softmax → matmul"
 
 
 @dataclass
 class AttentionAudit:
     sites: list[Site] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    checks: list[dict] = field(default_factory=list)  # per rule: rewritten vs original on sample 0
+
+    def has_site_at(self, location: str) -> bool:
+        """A site already listed at ``location`` or at a module that contains it."""
+        return any(s.location and (location == s.location or location.startswith(s.location + "."))
+                   for s in self.sites if s.status != SKIPPED)
 
     @property
     def found(self) -> int:
@@ -44,4 +52,5 @@ class AttentionAudit:
             "skipped": self.count(SKIPPED),
             "sites": [asdict(s) for s in self.sites],
             "notes": list(self.notes),
+            "checks": [dict(c) for c in self.checks],
         }

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from ..modelio import IOModule, is_transformers_model, make_io_module
-from .audit import REWRITTEN, SKIPPED, AttentionAudit, Site
+from .audit import REWRITTEN, AttentionAudit, Site
 
 KIND = "transformers AttentionInterface"
 RULE = "transformers_interface"
@@ -55,19 +55,18 @@ def rewrite(io: IOModule, example: list[torch.Tensor], audit: AttentionAudit) ->
     """Return an IOModule over the same model that runs SDPA; add one Site per attention module."""
     model = io.model
     names = {id(m): n for n, m in model.named_modules()}
-    if not model._can_set_attn_implementation():
-        audit.sites.append(Site(type(model).__name__, KIND, SKIPPED, RULE,
-                                reason=f"{type(model).__name__} does not dispatch attention through AttentionInterface; "
-                                       "left to the graph rules"))
+    if not model._can_set_attn_implementation():  # its eager attention is left to softmax_attention_graph
+        audit.notes.append(f"{RULE}: {type(model).__name__} does not dispatch attention through AttentionInterface; "
+                           "its attention is left to the graph rule")
         return io
     rewritten = make_io_module(model, io.signature, attn_implementation="sdpa")
     calls: list[dict[str, Any]] = []
     try:
         with _recording(calls), torch.inference_mode():
             rewritten(*example)
-    except Exception as exc:
-        audit.sites.append(Site(type(model).__name__, KIND, SKIPPED, RULE,
-                                reason=f"the model failed under sdpa ({type(exc).__name__}: {exc}); kept eager"))
+    except Exception as exc:  # its eager attention is left to softmax_attention_graph
+        audit.notes.append(f"{RULE}: {type(model).__name__} failed under sdpa ({type(exc).__name__}: {exc}); "
+                           "kept eager, its attention is left to the graph rule")
         return io
     seen: dict[int, Site] = {}
     for call in calls:

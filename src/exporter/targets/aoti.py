@@ -44,4 +44,7 @@ def load(spec: RunnerSpec) -> Loaded:
         out = runner(*args)
         return list(out) if isinstance(out, (list, tuple)) else [out]
 
-    return Loaded(call, spec.device, DTYPES[spec.dtype])
+    from ..kernels import hook
+
+    hint = "an AOTInductor package records its SDPA calls only when compiled with cpp.enable_kernel_profile"
+    return Loaded(call, spec.device, DTYPES[spec.dtype], hooks={"kernels": hook(spec.device, hint)})

@@ -49,4 +49,6 @@ def load(spec: RunnerSpec) -> Loaded:
                 return list(out)
             return list(compiled(*args))
 
-    return Loaded(call, spec.device, DTYPES[spec.dtype], info)
+    from ..kernels import hook
+
+    return Loaded(call, spec.device, DTYPES[spec.dtype], info, hooks={"kernels": hook(spec.device)})

@@ -86,5 +86,6 @@ def load(spec: RunnerSpec) -> Loaded:
             return list(module(*args))
 
     from ..inputs import DTYPES
+    from ..kernels import hook
 
-    return Loaded(call, spec.device, DTYPES[spec.dtype])
+    return Loaded(call, spec.device, DTYPES[spec.dtype], hooks={"kernels": hook(spec.device)})

@@ -19,6 +19,7 @@ import time
 import torch
 
 from ..inputs import DTYPES
+from ..rewrite.onnx_attention_masks import expand_attention_masks
 from ..runners import Loaded, RunnerSpec
 from . import BuildContext, Built, register
 
@@ -83,6 +84,11 @@ def build(ctx: BuildContext) -> list[Built]:
         notes = list(ctx.notes) + notes
     path = ctx.staging / FILE
     with (_float32_program(ctx) if in_float32 else contextlib.nullcontext(ctx.program)) as program:
+        # onnxruntime's Attention rejects masks that broadcast over the query length: spell them out
+        # (views only; the program's .pt2 and AOTI package are already written)
+        expanded = expand_attention_masks(program)
+        if expanded:
+            notes.append(f"{expanded} attention mask(s) expanded over the query length for onnxruntime")
         onnx_program = torch.onnx.export(program, (), dynamo=True, opset_version=ctx.recipe.targets.onnx_opset,
                                          input_names=list(ctx.plan.names), output_names=list(ctx.io.signature.outputs),
                                          verbose=False, optimize=False)
@@ -116,5 +122,8 @@ def load(spec: RunnerSpec) -> Loaded:
         feed = {name: np.ascontiguousarray(t.detach().cpu().numpy()) for name, t in zip(names, args)}
         return [torch.from_numpy(np.asarray(o)) for o in session.run(None, feed)]
 
+    from ..kernels import onnxruntime_hook
+
     return Loaded(call, "cpu" if spec.option("provider") == "CPUExecutionProvider" else spec.device,
-                  DTYPES[spec.dtype], {"provider": spec.option("provider")})
+                  DTYPES[spec.dtype], {"provider": spec.option("provider")},
+                  hooks={"kernels": onnxruntime_hook(spec.path, spec.option("provider"))})

@@ -1,0 +1,584 @@
+"""Rule: attention written out by hand, found in the traced graph, becomes ``scaled_dot_product_attention``.
+
+Pattern (torch.export training IR, see graph_capture; a torch.fx graph rewrite)::
+
+    scores = matmul(q, kᵀ) | bmm(q, kᵀ) | baddbmm(bias, q, kᵀ) | einsum("…ld,…sd->…ls", q, k)
+    logits = scores, then any of, in any order:  · c   / c   (c a number or a one-element tensor)
+                                                 + additive mask    masked_fill(m, -inf)
+                                                 where(m, ·, -inf)  float casts
+    probs  = softmax(logits, dim=-1), then any of: casts, dropout that is off (eval, or p = 0)
+    out    = matmul(probs, v) | bmm(probs, v) | einsum("…ls,…se->…le", probs, v)
+
+Check: the softmax is over the last dim; the scores, logits and probs feed only the next
+step (attention weights returned or used elsewhere are left alone); every op between
+``q·kᵀ`` and ``softmax`` is one SDPA can express; q, k and v share their batch dims (or k and
+v have one head, or are grouped-query repeats) and their dtype.
+
+Replacement: ``scaled_dot_product_attention(q, k, v, attn_mask, scale=…, is_causal=…, enable_gqa=…)``
+with ``k = (kᵀ)ᵀ`` taken from the matmul's own operand, so no assumption about how kᵀ was made
+can change the result. Masks keep their exact meaning: additive terms are summed, boolean
+ones combined; a mask becomes ``is_causal=True`` only when it depends on sizes and constants
+alone and equals ``tril(ones(n, n))`` at several lengths. Grouped-query repeats of k and v
+(``repeat_interleave`` or ``expand``+``reshape``, the transformers ``repeat_kv``) become
+``enable_gqa=True`` on the un-repeated tensors. 3-D (``bmm``) inputs get a leading dim of 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ..modelio import IOModule
+from . import graph_sites, probe
+from .audit import REWRITTEN, SKIPPED, AttentionAudit, Site
+from .graph_capture import GraphProgram, capture, program_from_export, traced_module
+from .graph_facts import (NEGATIVE_ENOUGH, Program, dtype, einsum_operands, is_one_element, numel_text, permutation,
+                          shape, static_int, text, unrepeated_heads)
+from .module_tree import compare, run
+
+aten = torch.ops.aten
+RULE = graph_sites.RULE
+KIND = graph_sites.KIND
+
+PRODUCTS = {aten.matmul.default, aten.bmm.default, aten.baddbmm.default, aten.einsum.default}
+SOFTMAXES = {aten.softmax.int, aten._softmax.default}
+CASTS = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.type_as.default}
+IDENTITIES = {aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default}
+ASSERTS = {aten._assert_tensor_metadata.default}
+
+
+class Skip(Exception):
+    """This softmax is attention, but rewriting it would not be safe; the message says why."""
+
+
+@dataclass
+class Operand:
+    """A tensor for SDPA, made from ``node`` by an optional last-two-dims swap, then an optional permute."""
+
+    node: fx.Node
+    swap_last: bool = False
+    perm: tuple[int, ...] | None = None
+    dims: tuple = ()
+
+
+@dataclass
+class Term:
+    kind: str  # "add": added to the logits | "keep": bool, attend where True | "drop": bool, masked where True
+    node: fx.Node
+    coef: float = 1.0
+    coef_tensors: list[tuple[Any, fx.Node]] = field(default_factory=list)
+    causal: bool = False
+
+
+@dataclass
+class Found:
+    softmax: fx.Node
+    producer: fx.Node
+    path: list[fx.Node]  # from the node after the producer up to the softmax input
+    probs: list[fx.Node]  # casts/dropout after the softmax
+    out: fx.Node
+    q: Operand
+    k: Operand
+    v: Operand
+    out_perm: tuple[int, ...] | None = None
+    scale: float = 1.0
+    scale_tensors: list[tuple[Any, fx.Node]] = field(default_factory=list)
+    terms: list[Term] = field(default_factory=list)
+    ops: list[str] = field(default_factory=list)
+    is_causal: bool = False
+    gqa: bool = False
+    grouped_query: bool = False
+    kv_heads: int | None = None
+
+
+def applies(io: IOModule) -> bool:
+    return True  # rewrite() decides from one eager pass whether there is anything to trace
+
+
+# --------------------------------------------------------------------------- pattern
+
+
+def _name(node: fx.Node) -> str:
+    target = node.target
+    return getattr(target, "_opname", None) or getattr(target, "__name__", str(target))
+
+
+def _real_users(node: fx.Node) -> list[fx.Node]:
+    return [u for u in node.users if u.target not in ASSERTS]
+
+
+def _is_scores_product(node: fx.Node, facts: Program) -> bool:
+    if node.target == aten.einsum.default:
+        operands = node.args[1]
+        return len(operands) == 2 and not any(facts.is_weight(o) for o in operands)
+    a, b = (node.args[1], node.args[2]) if node.target == aten.baddbmm.default else node.args[:2]
+    return all(isinstance(x, fx.Node) and not facts.is_weight(x) and len(shape(x) or ()) >= 2 for x in (a, b))
+
+
+def _path_to_scores(node: Any, facts: Program, depth: int = 0) -> list[fx.Node] | None:
+    """Nodes from a q·kᵀ product to ``node`` through ops that keep the scores' element count."""
+    if not isinstance(node, fx.Node) or node.op != "call_function" or depth > 12:
+        return None
+    if node.target in PRODUCTS and _is_scores_product(node, facts):
+        return [node]
+    if node.target in SOFTMAXES:
+        return None
+    count = numel_text(node)
+    for arg in node.args:
+        if isinstance(arg, fx.Node) and dtype(arg) not in (None, torch.bool) and numel_text(arg) == count:
+            found = _path_to_scores(arg, facts, depth + 1)
+            if found:
+                return found + [node]
+    return None
+
+
+def _position(node: fx.Node, prev: fx.Node) -> int:
+    places = [i for i, a in enumerate(node.args) if a is prev]
+    if len(places) != 1 or prev in node.kwargs.values():
+        raise Skip(f"{_name(node)} uses the scores twice")
+    return places[0]
+
+
+def _factor(other: Any, facts: Program) -> tuple[float | None, fx.Node | None]:
+    """A scale: a number, or a one-element tensor (applied to q instead)."""
+    if isinstance(other, (int, float)) and not isinstance(other, bool):
+        return float(other), None
+    if isinstance(other, fx.Node) and is_one_element(other):
+        return None, other
+    raise Skip(f"the scores are scaled by a tensor of shape {list(shape(other) or [])}, not by one number")
+
+
+def _logits(found: Found, facts: Program) -> None:
+    """Read the ops between q·kᵀ and softmax as ``scores * scale + mask``."""
+    prev = found.producer
+    for node in found.path:
+        index = _position(node, prev)
+        target, args = node.target, node.args
+        other = args[1 - index] if index in (0, 1) and len(args) > 1 else None
+        if target in (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar):
+            if target in (aten.div.Tensor, aten.div.Scalar) and index != 0:
+                raise Skip("the scores are the divisor")
+            number, tensor = _factor(other, facts)
+            divide = target in (aten.div.Tensor, aten.div.Scalar)
+            if number is not None:
+                if number == 0:
+                    raise Skip("the scores are scaled by 0")
+                number = 1 / number if divide else number
+                if number < 0 and any(t.kind != "add" for t in found.terms):
+                    raise Skip("a negative scale after a boolean mask")
+                found.scale *= number
+                for term in found.terms:
+                    term.coef *= number
+            else:
+                if any(t.kind != "add" for t in found.terms):
+                    raise Skip("a tensor scale after a boolean mask (its sign is unknown)")
+                op = aten.div.Tensor if divide else aten.mul.Tensor
+                found.scale_tensors.append((op, tensor))
+                for term in found.terms:
+                    term.coef_tensors.append((op, tensor))
+            found.ops.append("div" if divide else "mul")
+        elif target in (aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar):
+            alpha = node.kwargs.get("alpha", 1)
+            if target in (aten.sub.Tensor, aten.sub.Scalar):
+                if index != 0:
+                    raise Skip("the scores are subtracted from something")
+                alpha = -alpha
+            elif index == 1 and alpha != 1:
+                raise Skip("add with alpha applied to the scores")
+            if isinstance(other, fx.Node):
+                if dtype(other) is torch.bool or not (dtype(other) and dtype(other).is_floating_point):
+                    raise Skip(f"a {dtype(other)} tensor is added to the scores")
+                found.terms.append(Term("add", other, coef=float(alpha)))
+                found.ops.append("add mask")
+            else:  # a constant shift: softmax is unchanged by it
+                found.ops.append("add constant")
+        elif target in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
+            if index != 0:
+                raise Skip("masked_fill of something else with the scores")
+            fill = facts.scalar_constant(args[2])
+            if fill is None or fill > NEGATIVE_ENOUGH:
+                raise Skip(f"masked_fill with {args[2] if fill is None else fill} is not a mask (needs -inf)")
+            found.terms.append(Term("drop", args[1]))
+            found.ops.append("masked_fill" + ("" if fill == float("-inf") else f"({fill:.3g} as -inf)"))
+        elif target in (aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf):
+            if index == 0:
+                raise Skip("the scores are used as a where() condition")
+            fill = facts.scalar_constant(args[3 - index])
+            if fill is None or fill > NEGATIVE_ENOUGH:
+                raise Skip("where() with a value that is not -inf")
+            found.terms.append(Term("keep" if index == 1 else "drop", args[0]))
+            found.ops.append("where" + ("" if fill == float("-inf") else f"({fill:.3g} as -inf)"))
+        elif target in CASTS or target in IDENTITIES:
+            if target in CASTS and not (dtype(node) and dtype(node).is_floating_point):
+                raise Skip(f"the scores are cast to {dtype(node)}")
+            if target in CASTS:
+                found.ops.append(f"to {str(dtype(node)).replace('torch.', '')}")
+        else:
+            raise Skip(f"{_name(node)} between q·kᵀ and softmax has no SDPA equivalent")
+        prev = node
+
+
+def _key_from_transposed(kt: fx.Node) -> Operand:
+    """k such that kᵀ == ``kt``: undo a transpose/permute of the last two dims, else transpose it back."""
+    rank = len(shape(kt) or ())
+    dims = shape(kt)[:-2] + (shape(kt)[-1], shape(kt)[-2])
+    if kt.target == aten.mT.default:
+        return Operand(kt.args[0], dims=dims)
+    if kt.target == aten.transpose.int:
+        a, b = (d % rank for d in kt.args[1:3])
+        if {a, b} == {rank - 2, rank - 1}:
+            return Operand(kt.args[0], dims=dims)
+    if kt.target == aten.t.default and rank == 2:
+        return Operand(kt.args[0], dims=dims)
+    if kt.target == aten.permute.default:
+        perm = [d % rank for d in kt.args[1]]
+        perm[-2], perm[-1] = perm[-1], perm[-2]
+        identity = perm == list(range(rank))
+        return Operand(kt.args[0], perm=None if identity else tuple(perm), dims=dims)
+    return Operand(kt, swap_last=True, dims=dims)
+
+
+def _einsum(equation: str) -> tuple[str, str, str]:
+    try:
+        return einsum_operands(equation)
+    except ValueError as why:
+        raise Skip(str(why)) from None
+
+
+def _scores(found: Found) -> None:
+    """q and k from the q·kᵀ product."""
+    node = found.producer
+    if node.target == aten.einsum.default:
+        a, b, out = _einsum(node.args[0])
+        contracted = [c for c in a if c in b and c not in out]
+        rows, cols = [c for c in a if c not in b], [c for c in b if c not in a]
+        if len(contracted) != 1 or len(rows) != 1 or len(cols) != 1 or out[-2:] != rows[0] + cols[0]:
+            raise Skip(f"einsum {node.args[0]!r} is not (batch…, query, key) scores")
+        batch = list(out[:-2])
+        if sorted(batch + rows + contracted) != sorted(a) or sorted(batch + cols + contracted) != sorted(b):
+            raise Skip(f"einsum {node.args[0]!r} broadcasts a batch dim")
+        qa, ka = node.args[1]
+        q_order, k_order = batch + rows + contracted, batch + cols + contracted
+        found.q = Operand(qa, perm=permutation(a, q_order), dims=tuple(shape(qa)[a.index(c)] for c in q_order))
+        found.k = Operand(ka, perm=permutation(b, k_order), dims=tuple(shape(ka)[b.index(c)] for c in k_order))
+        found.ops.insert(0, "einsum")
+        return
+    if node.target == aten.baddbmm.default:
+        bias, qa, kt = node.args[:3]
+        beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
+        found.scale *= alpha
+        if beta != 0:
+            found.terms.append(Term("add", bias, coef=float(beta)))
+    else:
+        qa, kt = node.args[:2]
+    found.q = Operand(qa, dims=shape(qa))
+    found.k = _key_from_transposed(kt)
+    found.ops.insert(0, _name(node))
+
+
+def _probs(found: Found, facts: Program) -> None:
+    """Follow the softmax to its product with v."""
+    node = found.softmax
+    while True:
+        users = _real_users(node)
+        if len(users) != 1:
+            raise Skip("the attention weights are also used elsewhere: "
+                       + ", ".join(sorted(_name(u) for u in users if u is not node)))
+        user = users[0]
+        if user.target in CASTS or user.target in IDENTITIES:
+            found.probs.append(user)
+        elif user.target == aten.dropout.default:
+            p, train = user.args[1], user.args[2]
+            if train and p > 0:
+                raise Skip(f"dropout(p={p}) on the attention weights is active (training mode)")
+            found.probs.append(user)
+            found.ops.append("dropout (off)")
+        elif user.target in (aten.matmul.default, aten.bmm.default) and user.args[0] is node \
+                and user.args[1] is not node:
+            found.out = user
+            found.v = Operand(user.args[1], dims=shape(user.args[1]))
+            found.ops.append(_name(user))
+            return
+        elif user.target == aten.einsum.default and len(user.args[1]) == 2 and user.args[1][0] is node:
+            p, v, out = _einsum(user.args[0])
+            batch, rows, cols = list(p[:-2]), p[-2], p[-1]
+            extra = [c for c in v if c not in batch and c != cols]
+            if cols in out or cols not in v or len(extra) != 1 or sorted(v) != sorted(batch + [cols] + extra) \
+                    or sorted(out) != sorted(batch + [rows] + extra):
+                raise Skip(f"einsum {user.args[0]!r} is not (batch…, query, key)·(batch…, key, e)")
+            va = user.args[1][1]
+            order = batch + [cols] + extra
+            found.out = user
+            found.v = Operand(va, perm=permutation(v, order), dims=tuple(shape(va)[v.index(c)] for c in order))
+            found.out_perm = permutation(batch + [rows] + extra, list(out))
+            found.ops.append("einsum")
+            return
+        else:
+            raise Skip(f"the attention weights go to {_name(user)}, not to a product with v")
+        node = user
+
+
+# --------------------------------------------------------------------------- check
+
+
+def _check(found: Found, facts: Program, example: list[torch.Tensor]) -> None:
+    q, k, v = found.q.dims, found.k.dims, found.v.dims
+    if not (len(q) == len(k) == len(v)) or not 2 <= len(q) <= 4:
+        raise Skip(f"q, k, v of ranks {len(q)}, {len(k)}, {len(v)} (SDPA needs equal ranks of 2 to 4)")
+    dtypes = {dtype(found.q.node), dtype(found.k.node), dtype(found.v.node)}
+    if len(dtypes) != 1:
+        raise Skip(f"q, k and v have different dtypes ({', '.join(sorted(map(str, dtypes)))})")
+    for t in found.terms:
+        if t.kind != "add" and dtype(t.node) is not torch.bool:
+            raise Skip(f"a {dtype(t.node)} mask where a bool one is needed")
+    # grouped-query: un-repeat k and v (enable_gqa) when both are repeats of fewer heads
+    if len(q) == 4 and not found.k.swap_last and found.k.perm is None and found.v.perm is None:
+        rk, rv = unrepeated_heads(found.k.node), unrepeated_heads(found.v.node)
+        if rk and rv and rk[1] == rv[1] and rk[2] == rv[2]:
+            found.grouped_query = True
+            found.kv_heads = static_int(shape(rk[0])[1])
+            if rk[2]:  # repeat_interleave order is what enable_gqa means
+                found.k = Operand(rk[0], dims=shape(rk[0]))
+                found.v = Operand(rv[0], dims=shape(rv[0]))
+                found.gqa = True
+                found.ops.insert(1, f"kv heads ×{rk[1]}")
+            else:
+                found.ops.insert(1, f"kv heads tiled ×{rk[1]} (passed repeated)")
+    q, k, v = found.q.dims, found.k.dims, found.v.dims
+    batch_q, batch_k, batch_v = text(q[:-2]), text(k[:-2]), text(v[:-2])
+    if not (batch_q == batch_k == batch_v):
+        heads_only = len(q) == 4 and batch_k == batch_v and text(q[:1]) == batch_k[:1] and static_int(k[1]) == 1
+        if found.gqa or heads_only:
+            found.gqa = True
+            found.grouped_query = True
+            found.kv_heads = static_int(k[1])
+        else:
+            raise Skip("q, k and v broadcast their batch dims against each other")
+    scores = shape(found.producer)
+    for t in found.terms:
+        if t.kind != "add" or (t.coef > 0 and not t.coef_tensors):
+            t.causal = facts.is_causal(t.node, t.kind, scores[-2], scores[-1], example)
+    if found.terms and all(t.causal for t in found.terms):
+        found.is_causal = True
+
+
+# --------------------------------------------------------------------------- replacement
+
+
+def _constant(graph: fx.Graph, node: Any, facts: Program) -> Any:
+    """A copy of a weight's view. A mask or q/k/v that is a view of a parameter keeps ``requires_grad`` even under
+    inference_mode, which sends SDPA to its math kernel at run time, while the export traced the flash kernel's
+    output strides (and a decomposed program then fails in a ``view``). A copy made under inference_mode does not
+    require grad; ``detach`` would not do, as decomposition turns it into ``alias``, a view again."""
+    return graph.call_function(aten.clone.default, (node,)) if facts.is_weight(node) else node
+
+
+def _build(graph: fx.Graph, operand: Operand, facts: Program) -> fx.Node:
+    node = _constant(graph, operand.node, facts)
+    if operand.swap_last:
+        node = graph.call_function(aten.transpose.int, (node, -2, -1))
+    if operand.perm is not None:
+        node = graph.call_function(aten.permute.default, (node, list(operand.perm)))
+    return node
+
+
+def _mask(graph: fx.Graph, found: Found, q: fx.Node, k: fx.Node, facts: Program) -> fx.Node | None:
+    """One 4-D SDPA mask from the terms, spelled out over (query, key): onnxruntime's Attention kernel
+    does not broadcast a mask over the query length, and the CPU flash kernel takes 4-D masks only."""
+    if found.is_causal or not found.terms:
+        return None
+    mask = _combine(graph, found, q, facts)
+    rank = max(len(shape(t.node) or ()) for t in found.terms)
+    scores = shape(found.producer)
+    if rank < 2 or not all(text((shape(t.node) or (1, 1))[-2:]) == text(scores[-2:]) for t in found.terms):
+        for _ in range(2 - rank):
+            mask = graph.call_function(aten.unsqueeze.default, (mask, 0))
+        rank = max(rank, 2)
+        last = len(found.q.dims) - 2
+        rows = graph.call_function(aten.sym_size.int, (q, last))
+        cols = graph.call_function(aten.sym_size.int, (k, last))
+        mask = graph.call_function(aten.expand.default, (mask, [-1] * (rank - 2) + [rows, cols]))
+    for _ in range(4 - rank):
+        mask = graph.call_function(aten.unsqueeze.default, (mask, 0))
+    return mask
+
+
+def _combine(graph: fx.Graph, found: Found, q: fx.Node, facts: Program) -> fx.Node:
+    keep = additive = None
+    for t in found.terms:
+        if t.kind == "add":
+            node = _constant(graph, t.node, facts)
+            if t.coef != 1.0:
+                node = graph.call_function(aten.mul.Tensor, (node, t.coef))
+            for op, tensor in t.coef_tensors:
+                node = graph.call_function(op, (node, tensor))
+            additive = node if additive is None else graph.call_function(aten.add.Tensor, (additive, node))
+        else:
+            node = _constant(graph, t.node, facts)
+            node = node if t.kind == "keep" else graph.call_function(aten.logical_not.default, (node,))
+            keep = node if keep is None else graph.call_function(aten.logical_and.default, (keep, node))
+    if additive is not None:
+        additive = graph.call_function(aten.type_as.default, (additive, q))
+        if keep is not None:
+            return graph.call_function(aten.where.ScalarOther, (keep, additive, float("-inf")))
+        return additive
+    return keep
+
+
+def _replace(graph: fx.Graph, found: Found, facts: Program) -> fx.Node:
+    with graph.inserting_before(found.out):
+        q, k, v = (_build(graph, o, facts) for o in (found.q, found.k, found.v))
+        for op, tensor in found.scale_tensors:
+            q = graph.call_function(op, (q, _constant(graph, tensor, facts)))
+        mask = _mask(graph, found, q, k, facts)
+        lift = 4 - len(found.q.dims)
+        for _ in range(lift):
+            q, k, v = (graph.call_function(aten.unsqueeze.default, (t, 0)) for t in (q, k, v))
+        kwargs: dict[str, Any] = {"attn_mask": mask, "dropout_p": 0.0, "is_causal": found.is_causal,
+                                  "scale": found.scale}
+        if found.gqa:
+            kwargs["enable_gqa"] = True
+        out = graph.call_function(aten.scaled_dot_product_attention.default, (q, k, v), kwargs)
+        # One output layout whatever kernel runs: SDPA's kernels return different strides, and an exported
+        # program bakes the strides of the kernel its trace saw into its views. (batch, query, heads, dim) in
+        # memory, the flash kernels' layout, so the usual transpose(1, 2).reshape() after it stays a view.
+        out = graph.call_function(aten.transpose.int, (out, 1, 2))
+        out = graph.call_function(aten.clone.default, (out,), {"memory_format": torch.contiguous_format})
+        out = graph.call_function(aten.transpose.int, (out, 1, 2))
+        for _ in range(lift):
+            out = graph.call_function(aten.squeeze.dim, (out, 0))
+        if found.out_perm is not None:
+            out = graph.call_function(aten.permute.default, (out, list(found.out_perm)))
+    for key in ("nn_module_stack", "stack_trace", "val"):
+        if key in found.out.meta:
+            out.meta[key] = found.out.meta[key]
+    found.out.replace_all_uses_with(out)
+    for node in [found.out, *reversed(found.probs), found.softmax, *reversed(found.path), found.producer]:
+        for user in list(node.users):
+            if user.target in ASSERTS:
+                graph.erase_node(user)
+        if not node.users:
+            graph.erase_node(node)
+    return out
+
+
+# --------------------------------------------------------------------------- the rule
+
+
+def _site(found: Found | None, node: fx.Node, root: str, status: str, reason: str = "") -> Site:
+    where, owner = graph_sites.location(node, root)
+    q = found.q.dims if found is not None and found.q is not None else ()
+    heads = static_int(q[-3]) if len(q) == 4 else None
+    kv_heads = found.kv_heads if found is not None and found.kv_heads is not None else heads
+    return Site(where, f"{KIND} in {owner}" if owner else KIND, status, RULE, reason=reason,
+                causal=any(t.causal for t in found.terms) if found else None,
+                masked=(any(not t.causal for t in found.terms) if found else None),
+                grouped_query=(found.grouped_query if found else None), heads=heads, kv_heads=kv_heads,
+                head_dim=static_int(q[-1]) if q else None, node=node.name,
+                pattern=" → ".join(found.ops) if found else "")
+
+
+def rewrite_program(ep, root: str, example: list[torch.Tensor]) -> tuple[list[Site], GraphProgram | None]:
+    """Find and rewrite every softmax attention of an exported program; the sites and the rewritten graph."""
+    facts = Program(ep)
+    graph = ep.graph_module.graph
+    graph.eliminate_dead_code()  # e.g. attention weights computed but never used
+    sites: list[Site] = []
+    for softmax in [n for n in graph.nodes if n.op == "call_function" and n.target in SOFTMAXES]:
+        path = _path_to_scores(softmax.args[0], facts)
+        if path is None:
+            continue  # not attention: no product of two activations before it
+        found = Found(softmax, path[0], path[1:], [], None, None, None, None)  # type: ignore[arg-type]
+        try:
+            _scores(found)
+            rank, dim = len(shape(softmax) or ()), softmax.args[1]
+            if dim % max(rank, 1) != rank - 1:
+                raise Skip(f"softmax over dim {dim}, not the key dim (-1)")
+            _logits(found, facts)
+            upcast = softmax.target == aten.softmax.int and len(softmax.args) > 2 and softmax.args[2] is not None
+            found.ops.append("softmax" + (f"({str(softmax.args[2]).replace('torch.', '')})" if upcast else ""))
+            _probs(found, facts)
+            _check(found, facts, example)
+        except Skip as why:
+            sites.append(_site(found if found.q is not None else None, softmax, root, SKIPPED, str(why)))
+            continue
+        sites.append(_site(found, softmax, root, REWRITTEN))
+        _replace(graph, found, facts)
+    graph_sites.unique_locations(sites)
+    if not any(s.status == REWRITTEN for s in sites):
+        return sites, None
+    graph.eliminate_dead_code()
+    graph.lint()
+    ep.graph_module.recompile()
+    return sites, program_from_export(ep)
+
+
+def rewrite(io: IOModule, example: list[torch.Tensor], audit: AttentionAudit) -> IOModule:
+    observation = probe.observe(io, example)
+    graph_sites.record_sdpa_calls(observation, audit)
+    if not observation.softmax_candidates:
+        return io
+    root = type(io.model).__name__
+    locations: list[str] = []
+    sites: list[Site] = []
+
+    def unrewritten(reason: str) -> None:
+        for site in sites:
+            if site.status == REWRITTEN:
+                site.status, site.reason = SKIPPED, reason
+        audit.notes.append(f"{RULE}: {reason}; the model runs unrewritten")
+
+    def build(source: IOModule, sample: list[torch.Tensor]) -> GraphProgram | None:
+        """Trace and rewrite again (after a dtype or device change); the same sites must come out."""
+        where = f"{sample[0].dtype} on {sample[0].device}" if sample else "the new dtype/device"
+        try:
+            again, program = rewrite_program(capture(source, sample), root, sample)
+        except Exception as exc:
+            unrewritten(f"tracing again at {where} failed ({graph_sites.first_line(exc)})")
+            return None
+        now = sorted(s.location for s in again if s.status == REWRITTEN)
+        if program is None:
+            unrewritten(f"tracing again at {where} found no attention to rewrite")
+            return None
+        if now != locations:
+            audit.notes.append(f"{RULE}: tracing again at {where} rewrote {', '.join(now)} "
+                               f"instead of {', '.join(locations)}")
+        return program
+
+    try:
+        ep = capture(io, example)
+    except Exception as exc:
+        graph_sites.skip_candidates(observation, audit, root, f"the model could not be traced ({graph_sites.first_line(exc)})")
+        return io
+    try:
+        sites[:], program = rewrite_program(ep, root, example)
+    except Exception as exc:  # a graph this rule cannot handle must not stop the conversion: report it
+        graph_sites.skip_candidates(observation, audit, root, f"the graph rule failed on the traced graph ({graph_sites.first_line(exc)})")
+        return io
+    if program is None:
+        audit.sites.extend(sites)
+        if not sites:
+            audit.notes.append(f"{len(observation.softmax_candidates)} softmax call(s) follow a product of "
+                               "activations but none is attention (no softmax(q·kᵀ)·v in the graph)")
+        return io
+    expected = run(io, example)
+    locations[:] = sorted(s.location for s in sites if s.status == REWRITTEN)
+    module = traced_module(io, example, build, program)
+    try:
+        check = compare(expected, run(module, example))
+    except Exception as exc:
+        check = {"ok": False, "max_abs_error": None, "rel_l2_error": None,
+                 "reason": f"the rewritten graph failed: {graph_sites.first_line(exc)}"}
+    audit.checks.append({"rule": RULE, **check})
+    if not check["ok"]:
+        for s in sites:
+            if s.status == REWRITTEN:
+                s.status, s.reason = SKIPPED, (f"outputs differed after the rewrite "
+                                               f"({check['reason'] or 'rel. L2 error %.2e' % check['rel_l2_error']})")
+        audit.sites.extend(sites)
+        return io
+    audit.sites.extend(sites)
+    return module

@@ -1,0 +1,55 @@
+"""transformers_interface: transformers models loaded with eager attention switch to SDPA through the library's
+attention interface, and the graph rule does not trace them again."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attention_zoo as zoo
+from exporter.modelio import Signature, make_io_module
+from exporter.rewrite import ALREADY_SDPA, REWRITTEN, rewrite_attention, softmax_attention_graph, transformers_interface
+from exporter.targets import count_graph_ops
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(autouse=True)
+def no_tracing(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the graph rule traced a transformers model the interface rule had rewritten")
+
+    monkeypatch.setattr(softmax_attention_graph, "capture", refuse)
+
+
+def tiny_gpt2():
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = transformers.GPT2Model(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000)).eval()
+    return make_io_module(model, Signature(("input_ids", "attention_mask"), ("last_hidden_state",)), "eager")
+
+
+def tokens(batch, seq):
+    ids = torch.randint(0, 1000, (batch, seq), generator=torch.Generator().manual_seed(seq))
+    mask = torch.ones_like(ids)
+    mask[-1, seq - 3:] = 0
+    return [ids, mask]
+
+
+def test_transformers_model_is_rewritten_once_through_the_interface():
+    io = tiny_gpt2()
+    module, audit = rewrite_attention(io, tokens(2, 32))
+    assert audit.count(REWRITTEN) == 2 and audit.count(ALREADY_SDPA) == 0  # SDPA calls are not listed twice
+    assert [s.location for s in audit.sites] == ["h.0.attn", "h.1.attn"]
+    assert all(s.rule == transformers_interface.RULE and s.causal for s in audit.sites)
+    program = zoo.export_named(module, tokens(2, 32), ("input_ids", "attention_mask"))
+    ops = count_graph_ops(program.graph)
+    assert ops["sdpa"] == 2 and ops["softmax"] == 0
+    other = tokens(3, 17)
+    with torch.inference_mode():
+        assert torch.allclose(io(*other)[0], program.module()(*other)[0], atol=1e-5)
+
+
+def test_interface_rule_does_not_apply_to_other_models():
+    io = zoo.io_module(zoo.build(zoo.BY_NAME["matmul_div"]))
+    assert not transformers_interface.applies(io)
