@@ -17,6 +17,9 @@ Examples:
   exporter convert model.safetensors --recipe h100-bf16
   exporter convert ./my-model/ --recipe cpu-fp32 --out build/my-model
   exporter convert weights.safetensors --model mypkg.models:build --recipe my-recipe.toml
+  exporter convert weights.safetensors --model mypkg.models:build \\
+      --dim batch=2:1:32 --dim sequence=128:16:1024 \\
+      --input tokens:int64:batch,sequence:0:32000 --input mask:bool:batch,sequence
   exporter convert ckpt/ --inputs samples.safetensors --allow-drift
 
 \b
@@ -47,19 +50,25 @@ def cli() -> None:
               help="Factory that builds the nn.Module (gets config.json as a dict when present).")
 @click.option("--inputs", "inputs_file", type=click.Path(path_type=str), default=None,
               help="Real samples: safetensors or .npz of named tensors.")
+@click.option("--dim", "dims", multiple=True, metavar="NAME=SIZE[:MIN:MAX]",
+              help="Declare an input dim (dynamic when MIN < MAX); repeatable.")
+@click.option("--input", "tensors", multiple=True, metavar="NAME:DTYPE:SHAPE[:LOW:HIGH]",
+              help="Declare a model input, SHAPE as comma-separated sizes or dim names; repeatable.")
 @click.option("--allow-drift", is_flag=True, help="Report numerics failures as warnings (recorded in the report).")
 @click.option("--allow-pickle", is_flag=True, help="Load a pickle checkpoint with torch.load(weights_only=True).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
 @click.option("--json", "as_json", is_flag=True, help="Print report.json to stdout.")
-def convert(checkpoint, recipe, out, factory, inputs_file, allow_drift, allow_pickle, overwrite, quiet, as_json):
+def convert(checkpoint, recipe, out, factory, inputs_file, dims, tensors, allow_drift, allow_pickle, overwrite, quiet,
+            as_json):
     """Load CHECKPOINT, rewrite attention to SDPA, export, validate numerics, benchmark and report."""
     from .api import convert as run_convert
     from .progress import Progress
 
     progress = Progress(enabled=not quiet)
     result = run_convert(checkpoint, recipe, out, model=factory, inputs=inputs_file, allow_drift=allow_drift,
-                         allow_pickle=allow_pickle, overwrite=overwrite, progress=progress)
+                         allow_pickle=allow_pickle, overwrite=overwrite, progress=progress, dims=dims,
+                         tensors=tensors)
     if as_json:
         click.echo(json.dumps(result.report, indent=2, default=str))
     else:
@@ -78,13 +87,16 @@ def convert(checkpoint, recipe, out, factory, inputs_file, allow_drift, allow_pi
 @click.option("--recipe", "-r", default="cpu-fp32", show_default=True, help="Recipe whose input shapes to use.")
 @click.option("--model", "-m", "factory", default=None, metavar="MODULE:FUNCTION", help="Model factory.")
 @click.option("--inputs", "inputs_file", type=click.Path(path_type=str), default=None, help="Real samples file.")
+@click.option("--dim", "dims", multiple=True, metavar="NAME=SIZE[:MIN:MAX]", help="Declare an input dim.")
+@click.option("--input", "tensors", multiple=True, metavar="NAME:DTYPE:SHAPE[:LOW:HIGH]", help="Declare an input.")
 @click.option("--allow-pickle", is_flag=True, help="Load a pickle checkpoint with torch.load(weights_only=True).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def inspect(checkpoint, recipe, factory, inputs_file, allow_pickle, as_json):
+def inspect(checkpoint, recipe, factory, inputs_file, dims, tensors, allow_pickle, as_json):
     """Show CHECKPOINT's architecture, parameters, dtypes and attention sites, without exporting."""
     from .api import inspect as run_inspect
 
-    data = run_inspect(checkpoint, recipe, model=factory, inputs=inputs_file, allow_pickle=allow_pickle)
+    data = run_inspect(checkpoint, recipe, model=factory, inputs=inputs_file, allow_pickle=allow_pickle, dims=dims,
+                       tensors=tensors)
     if as_json:
         click.echo(json.dumps(data, indent=2))
         return
@@ -129,6 +141,83 @@ def recipes_show(name):
     recipe = load_recipe(name)
     path = Path(recipe.source) if recipe.source else builtin_path(name)
     click.echo(path.read_text(encoding="utf-8"), nl=False)
+
+
+VERIFY_EXAMPLES = """
+\b
+Examples:
+  exporter verify artifacts/my-model/cpu-fp32
+  exporter verify build/my-model --junit reports/exporter-verify.xml
+
+\b
+Exit codes: 0 verified, 6 integrity (no manifest.json; a missing, changed
+or unlisted file), 3 numerics differ from the stored reference (or the
+recorded run failed numerics), 4 an artifact no longer loads or runs,
+5 cannot run here (a CUDA artifact without a GPU), 2 usage.
+"""
+
+VALIDATE_EXAMPLES = """
+\b
+Examples:
+  exporter validate artifacts/my-model/cpu-fp32
+  exporter validate build/my-model --locate
+  exporter validate build/my-model --locate --target onnx --json
+
+\b
+Exit codes: 0 passed, 2 usage or input error (checkpoint changed since
+convert), 3 numerics failure, 4 target failure, 5 environment.
+"""
+
+
+@cli.command(epilog=VERIFY_EXAMPLES)
+@click.argument("out_dir", type=click.Path(path_type=str))
+@click.option("--junit", type=click.Path(path_type=str), default=None,
+              help="Write JUnit XML to this file (one testcase per artifact and check).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def verify(out_dir, junit, as_json):
+    """Release gate: re-hash OUT_DIR against manifest.json, re-run every artifact on the stored reference
+    inputs and compare with the stored reference outputs. Needs no checkpoint."""
+    from .verify import summary
+    from .verify import verify as run_verify
+
+    result = run_verify(out_dir, junit=junit)
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2, default=str))
+    for line in result.problems:
+        click.echo(f"error: {line}", err=True)
+    click.echo(summary(result), err=as_json)
+    sys.exit(result.exit_code)
+
+
+@cli.command(epilog=VALIDATE_EXAMPLES)
+@click.argument("out_dir", type=click.Path(path_type=str))
+@click.option("--locate", is_flag=True, help="Find the first divergent module of each failing candidate.")
+@click.option("--target", "targets", multiple=True, metavar="NAME",
+              help="Only this variant (repeatable); with --locate it is localised even when it passes.")
+@click.option("--checkpoint", type=click.Path(path_type=str), default=None,
+              help="The checkpoint, if it moved since convert [default: the path in report.json].")
+@click.option("--allow-pickle", is_flag=True, help="Load a pickle checkpoint with torch.load(weights_only=True).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress output.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def validate(out_dir, locate, targets, checkpoint, allow_pickle, quiet, as_json):
+    """Validate the artifacts in OUT_DIR again from the checkpoint (baseline, samples, shape grid); with
+    --locate, localise divergences. OUT_DIR is not modified."""
+    from .progress import Progress
+    from .revalidate import validate_folder
+
+    result = validate_folder(out_dir, locate=locate, targets=tuple(targets), checkpoint=checkpoint,
+                             allow_pickle=allow_pickle, progress=Progress(enabled=not quiet))
+    if as_json:
+        click.echo(json.dumps(result, indent=2, default=str))
+    else:
+        for entry in result["candidates"]:
+            click.echo(f"{entry['name']}: {entry['status']}" + (f" ({entry['error']})" if entry["error"] else ""))
+            found = (entry.get("numerics") or {}).get("locate")
+            if found:
+                click.echo(f"  located: {found['summary']}")
+    for line in result["problems"]:
+        click.echo(f"error: {line}", err=True)
+    sys.exit(result["exit_code"])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -39,10 +39,16 @@ class InputPlan:
     source: str = "generated"  # or the samples file's path
     seed: int | None = 0
     notes: list[str] = field(default_factory=list)
+    pad_token_id: int | None = None  # the config's padding token, for generated input_ids (and the shape grid)
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.specs)
+
+    @property
+    def seeds(self) -> list[int] | None:
+        """The seed of each generated sample (sample i uses seed + i); None for samples read from a file."""
+        return None if self.seed is None else [self.seed + i for i in range(len(self.samples))]
 
     def dynamic_axes(self) -> dict[str, dict[int, Dim]]:
         by_name = {d.name: d for d in self.dims}
@@ -165,14 +171,14 @@ def plan_inputs(model: nn.Module, section: InputsSection, samples_file: str | Pa
     specs = infer_specs(model, section)
     check_dims_declared(specs, section.dims)
     plan = InputPlan(specs=specs, dims=section.dims, seed=section.seed)
+    plan.pad_token_id = getattr(getattr(model, "config", None), "pad_token_id", None)
     if samples_file is not None:
         plan.samples = read_samples(Path(samples_file), specs, section.dims)
         plan.source = str(samples_file)
         plan.seed = None
         return plan
     sizes = {d.name: d.size for d in section.dims}
-    pad = getattr(getattr(model, "config", None), "pad_token_id", None)
-    plan.samples = [generate_sample(specs, sizes, section.seed + i, pad) for i in range(section.samples)]
+    plan.samples = [generate_sample(specs, sizes, section.seed + i, plan.pad_token_id) for i in range(section.samples)]
     if any(s.name == "attention_mask" for s in specs) and sizes.get("batch", 1) < 2:
         plan.notes.append("batch size 1: the generated attention mask has no padding")
     return plan

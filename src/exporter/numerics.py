@@ -47,11 +47,37 @@ class CandidateNumerics:
     baseline: str  # which eager run set the bar, e.g. "eager (cuda, bfloat16)"
     worst: list[OutputCheck] = field(default_factory=list)  # worst sample for each output
     failures: list[OutputCheck] = field(default_factory=list)
+    checks: list[OutputCheck] = field(default_factory=list)  # every (sample, output), for verify's bars
+    grid: dict | None = None  # the shape grid (exporter.grid), when checked
+    locate: dict | None = None  # divergence localisation (exporter.locate), when run
+
+    def samples(self) -> list[dict]:
+        """Per sample: passed, and its worst output as a ratio of the allowed RMSE."""
+        by_sample: dict[int, dict] = {}
+        for check in self.checks:
+            entry = by_sample.setdefault(check.sample, {"sample": check.sample, "passed": True,
+                                                        "worst_output": None, "ratio": 0.0})
+            entry["passed"] = entry["passed"] and check.passed
+            r = ratio(check)
+            if entry["worst_output"] is None or r > entry["ratio"]:
+                entry["worst_output"], entry["ratio"] = check.output, r
+        return [by_sample[i] for i in sorted(by_sample)]
 
     def to_dict(self) -> dict:
         return {"candidate": self.candidate, "passed": self.passed, "k": self.k, "atol": self.atol,
                 "baseline": self.baseline, "outputs": [asdict(c) for c in self.worst],
-                "failures": [asdict(c) for c in self.failures]}
+                "failures": [asdict(c) for c in self.failures],
+                "samples": self.samples(),
+                "checks": [{"sample": c.sample, "output": c.output, "rmse": c.rmse, "baseline_rmse": c.baseline_rmse,
+                            "allowed_rmse": c.allowed_rmse, "passed": c.passed} for c in self.checks],
+                "grid": self.grid, "locate": self.locate}
+
+
+def ratio(check: OutputCheck) -> float:
+    """How much of its allowance a check used (> 1 fails); inf for NaN/Inf or a shape mismatch."""
+    if not check.passed and check.reason and "rmse" not in check.reason:
+        return math.inf
+    return check.rmse / check.allowed_rmse if check.allowed_rmse > 0 else (0.0 if check.rmse == 0 else math.inf)
 
 
 def _finite(x: float) -> float:
@@ -117,12 +143,13 @@ def judge(candidate: str, output_names: tuple[str, ...], reference: list[Outputs
             continue
         for name, r, b, c in zip(output_names, ref, base, cand):
             check = check_output(name, index, r, b, c, k, atol)
+            result.checks.append(check)
             if not check.passed:
                 result.failures.append(check)
                 result.passed = False
             current = worst.get(name)
-            ratio = check.rmse / check.allowed_rmse if check.allowed_rmse > 0 else check.rmse
-            if current is None or ratio > (current.rmse / current.allowed_rmse if current.allowed_rmse > 0 else current.rmse):
+            if current is None or ratio(check) > ratio(current):
                 worst[name] = check
     result.worst = [worst[n] for n in output_names if n in worst]
+    result.failures.sort(key=ratio, reverse=True)  # the worst failure first: it names the candidate's error
     return result

@@ -18,6 +18,7 @@ from . import report as report_mod
 from .bench import run_benchmark, summarize
 from .checkpoint import check_finite, load_model
 from .errors import CheckpointError
+from .grid import onnx_signature, plan_grid, program_signature
 from .inputs import DTYPES, plan_inputs
 from .modelio import Signature, discover_outputs
 from .outdir import os_problem
@@ -25,7 +26,7 @@ from .prepare import original_module, rewrite
 from .progress import Progress
 from .recipe import Recipe
 from .reference import run_reference
-from .results import FAILED, OK, VariantResult
+from .results import FAILED, NUMERICS_FAILED, OK, VariantResult
 from .runners import ModelSource, RunnerFailed
 from .targets import BuildContext, build_targets
 from .targets.exported_program import first_line
@@ -68,6 +69,7 @@ class ConvertRun:
         self.warnings: list[str] = []
         self.loaded = None
         self.validation: Validation | None = None
+        self.grid = None  # the shape grid's plan (exporter.grid.GridPlan), when there is one
 
     def close(self) -> None:
         if self.validation is not None:
@@ -145,14 +147,88 @@ class ConvertRun:
                         live[result.name] = runner
 
         results = [rewritten_result] + [r for r, _ in built]
+        self._grid_and_locate(validation, results, live, plan, ctx.program, rewritten)
         eager_bench = self._benchmark(live, samples[0], results, reference.flops, plan)
+        eager_kernels = self._kernels(live, samples[0], results)
         validation.close()
 
         return report_mod.assemble(
             recipe=recipe, checkpoint=self.checkpoint, loaded=loaded, plan=plan, signature=signature,
             reference=reference, audit=audit, results=results, eager_bench=eager_bench,
             allow_drift=self.allow_drift, warnings=self.warnings, timings=progress.timings,
-            staging=self.staging, total_s=time.perf_counter() - t_start)
+            staging=self.staging, total_s=time.perf_counter() - t_start, grid=self.grid, eager_kernels=eager_kernels)
+
+    def _kernels(self, live: dict[str, Any], sample, results: list[VariantResult]) -> dict[str, Any] | None:
+        """Which attention kernels each variant actually ran (one profiled call each); the eager baseline's back."""
+        by_name = {r.name: r for r in results}
+        preferred = self.recipe.runtime.attention_backend
+        eager = None
+        with self.progress.stage("attention kernels"):
+            for name, runner in live.items():
+                try:
+                    found = runner.call("kernels", sample)
+                except Exception as exc:  # the audit explains; it never fails a variant
+                    found = {"source": "error", "note": exc.reason if isinstance(exc, RunnerFailed) else first_line(exc)}
+                if name == "eager":
+                    eager = found
+                    continue
+                result = by_name.get(name)
+                if result is None:
+                    continue
+                result.info["kernels"] = found
+                ran = set(found.get("backends") or {})
+                if preferred != "auto" and ran and preferred not in ran:
+                    result.notes.append(f"attention backend: {preferred} was preferred, {', '.join(sorted(ran))} ran")
+        return eager
+
+    def _grid_and_locate(self, validation: Validation, results: list[VariantResult], live: dict[str, Any], plan,
+                         program, rewritten) -> None:
+        """The shape grid for every loaded candidate but the compile variants, then localisation of each failure."""
+        recipe, progress = self.recipe, self.progress
+        self.grid = grid = plan_grid(plan, recipe.numerics, recipe.inputs.seed)
+        why_not = ("numerics.grid = false" if not recipe.numerics.grid
+                   else "the recipe declares no dynamic dim" if grid is None else "")
+        candidates, signatures = [], {}
+        for result in results:
+            if result.name not in live or result.numerics is None:
+                continue
+            if result.target == "compile":
+                result.numerics.grid = {"checked": False, "passed": True, "points": [],
+                                        "reason": "a benchmark variant (static shapes, no artifact): not on the grid"}
+                continue
+            candidates.append((result, live[result.name]))
+            try:
+                signatures[result.name] = self._signature(result, plan, program)
+            except Exception as exc:  # reading a signature must not fail the run: the grid still runs the shapes
+                signatures[result.name] = {"signature_source": f"unreadable ({first_line(exc)})"}
+        detail = f"{len(grid.points)} points x {len(candidates)} candidates" if grid else f"skipped: {why_not}"
+        with progress.stage("shape grid", detail):
+            validation.check_grid(grid, plan, candidates, signatures, why_not)
+        for warning in validation.warnings:
+            self.warnings.append(warning)
+            progress.warn(warning)
+        for result, runner in candidates:
+            process = getattr(runner, "process", None)
+            if process is not None and process.poll() is not None:
+                live.pop(result.name, None)
+        failing = [r for r in results if r.status == NUMERICS_FAILED]
+        if recipe.numerics.locate and failing:
+            with progress.stage("locate divergence", ", ".join(r.name for r in failing)):
+                for result in failing:
+                    try:
+                        validation.locate(result, rewritten, plan, grid, program)
+                    except Exception as exc:  # localisation explains a failure; it never hides one
+                        self.warnings.append(f"{result.name}: localisation failed: {first_line(exc)}")
+                        self.log(result.name, f"localisation failed: {exc!r}\n")
+
+    def _signature(self, result: VariantResult, plan, program) -> dict[str, Any]:
+        if result.target in ("exported_program", "aoti") and program is not None:
+            source = ("exported program placeholders and range constraints" if result.target == "exported_program"
+                      else "the exported program the package was compiled from")
+            return {**program_signature(program, plan), "signature_source": source}
+        if result.target == "onnx" and result.path is not None:
+            return {**onnx_signature(self.staging / result.path, plan), "signature_source": "model.onnx graph inputs"}
+        return {}
 
     def _benchmark(self, live: dict[str, Any], sample, results: list[VariantResult], flops: int, plan):
         settings, device = self.recipe.bench, self.recipe.runtime.device

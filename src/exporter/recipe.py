@@ -101,6 +101,10 @@ class InputsSection:
 class NumericsSection:
     k: float | None = None  # None: 2 for float32, 3 for bfloat16/float16
     atol: float = 1e-5
+    grid: bool = True  # check every artifact with dynamic dims over the shape grid (docs/numerics.md)
+    grid_sizes: tuple[int, ...] = (1, 7, 129)  # awkward sizes tried on every dynamic dim whose range holds them
+    grid_budget: float = 8.0  # a grid point holds at most this many times the typical sample's input elements
+    locate: bool = True  # find the first diverging module of every candidate that fails numerics
 
     def multiplier(self, dtype: str) -> float:
         if self.k is not None:
@@ -138,13 +142,32 @@ class Recipe:
         _check_factory(factory)
         return dataclasses.replace(self, model=dataclasses.replace(self.model, factory=factory))
 
+    def with_inputs(self, dims: tuple[str, ...] = (), tensors: tuple[str, ...] = ()) -> "Recipe":
+        """Inputs declared on the command line: ``--dim NAME=SIZE[:MIN:MAX]`` (overrides a recipe dim of
+        that name) and ``--input NAME:DTYPE:SHAPE[:LOW:HIGH]`` (replace the recipe's declared tensors)."""
+        if not dims and not tensors:
+            return self
+        data: dict[str, Any] = {"dims": {d.name: {"size": d.size, "min": d.min, "max": d.max}
+                                         for d in self.inputs.dims}}
+        for text in dims:
+            data["dims"].update(_parse_dim_option(text))
+        declared = [_parse_input_option(t) for t in tensors] if tensors else [
+            {"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "low": t.low, "high": t.high}
+            for t in self.inputs.tensors]
+        problems = _Problems("given with --dim/--input", "correct the --dim/--input options (see exporter convert --help)")
+        parsed_dims = _parse_dims(data["dims"], problems)
+        parsed = _parse_tensors(declared, parsed_dims, problems) if declared else ()
+        problems.raise_if_any()
+        return dataclasses.replace(self, inputs=dataclasses.replace(self.inputs, dims=parsed_dims, tensors=parsed))
+
 
 # --------------------------------------------------------------------------- parsing
 
 
 class _Problems:
-    def __init__(self, source: str):
+    def __init__(self, source: str, hint: str = "correct the recipe file (see docs/recipes.md for every key)"):
         self.source = source
+        self.hint = hint
         self.items: list[str] = []
 
     def add(self, where: str, what: str) -> None:
@@ -153,10 +176,7 @@ class _Problems:
     def raise_if_any(self) -> None:
         if self.items:
             listing = "; ".join(self.items)
-            raise RecipeError(
-                f"recipe {self.source} has {len(self.items)} problem(s): {listing}",
-                "correct the recipe file (see docs/recipes.md for every key)",
-            )
+            raise RecipeError(f"recipe {self.source} has {len(self.items)} problem(s): {listing}", self.hint)
 
 
 def _typename(value: Any) -> str:
@@ -198,6 +218,35 @@ def _str_list(table: dict, key: str, default: tuple, where: str, problems: _Prob
         problems.add(f"{where}.{key}", "expected a list of strings")
         return default
     return tuple(value)
+
+
+def _parse_dim_option(text: str) -> dict[str, dict[str, int]]:
+    name, sep, sizes = text.partition("=")
+    parts = sizes.split(":")
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        values = []
+    if not sep or not _NAME.match(name) or len(values) not in (1, 3):
+        raise RecipeError(f"--dim {text!r} is not NAME=SIZE or NAME=SIZE:MIN:MAX",
+                          "write e.g. --dim batch=2:1:32 (dynamic) or --dim batch=2 (static)")
+    size, lo, hi = (values * 3)[:3] if len(values) == 1 else values
+    return {name: {"size": size, "min": lo, "max": hi}}
+
+
+def _parse_input_option(text: str) -> dict[str, Any]:
+    parts = text.split(":")
+    if len(parts) not in (3, 5) or not all(parts[:3]):
+        raise RecipeError(f"--input {text!r} is not NAME:DTYPE:SHAPE or NAME:DTYPE:SHAPE:LOW:HIGH",
+                          "write e.g. --input tokens:int64:batch,sequence:0:32000 or --input x:float32:batch,16")
+    shape = [int(e) if e.strip().lstrip("-").isdigit() else e.strip() for e in parts[2].split(",")]
+    entry: dict[str, Any] = {"name": parts[0], "dtype": parts[1], "shape": shape}
+    if len(parts) == 5:
+        try:
+            entry["low"], entry["high"] = float(parts[3]), float(parts[4])
+        except ValueError:
+            raise RecipeError(f"--input {text!r}: LOW and HIGH must be numbers", "write e.g. x:float32:batch,16:-1:1") from None
+    return entry
 
 
 def _check_factory(text: str) -> None:
@@ -359,8 +408,17 @@ def parse_recipe(data: dict, name: str, source: str) -> Recipe:
 
     t = table("numerics")
     d = NumericsSection()
-    _unknown(t, {"k", "atol"}, "numerics", p)
-    numerics = NumericsSection(k=_get(t, "k", float, d.k, "numerics", p), atol=_get(t, "atol", float, d.atol, "numerics", p))
+    _unknown(t, {f.name for f in dataclasses.fields(NumericsSection)}, "numerics", p)
+    grid_sizes = _get(t, "grid_sizes", list, list(d.grid_sizes), "numerics", p)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in grid_sizes):
+        p.add("numerics.grid_sizes", "expected a list of integers >= 1")
+        grid_sizes = list(d.grid_sizes)
+    numerics = NumericsSection(k=_get(t, "k", float, d.k, "numerics", p), atol=_get(t, "atol", float, d.atol, "numerics", p),
+                               grid=_get(t, "grid", bool, d.grid, "numerics", p), grid_sizes=tuple(grid_sizes),
+                               grid_budget=_get(t, "grid_budget", float, d.grid_budget, "numerics", p),
+                               locate=_get(t, "locate", bool, d.locate, "numerics", p))
+    if not numerics.grid_budget >= 1.0:
+        p.add("numerics.grid_budget", f"must be at least 1, got {numerics.grid_budget}")
     if numerics.k is not None and not numerics.k >= 1.0:
         p.add("numerics.k", f"must be at least 1, got {numerics.k}")
     if not numerics.atol >= 0.0:

@@ -64,7 +64,7 @@ def _exit_code(results: list[VariantResult], allow_drift: bool) -> tuple[int, li
 
 
 def assemble(*, recipe, checkpoint, loaded, plan, signature, reference, audit, results, eager_bench, allow_drift,
-             warnings, timings, staging, total_s) -> dict[str, Any]:
+             warnings, timings, staging, total_s, grid=None, eager_kernels=None) -> dict[str, Any]:
     exit_code, problems = _exit_code(results, allow_drift)
     model = loaded.model
     params = sum(p.numel() for p in model.parameters())
@@ -99,21 +99,25 @@ def assemble(*, recipe, checkpoint, loaded, plan, signature, reference, audit, r
         "inputs": {
             "source": plan.source,
             "seed": plan.seed,
+            "seeds": plan.seeds,
             "samples": len(plan.samples),
             "names": list(signature.inputs),
             "shapes": {n: list(t.shape) for n, t in plan.samples[0].items()},
             "dtypes": {n: str(t.dtype).replace("torch.", "") for n, t in plan.samples[0].items()},
             "dynamic": dynamic,
             "notes": plan.notes,
+            "grid": grid.to_dict() if grid is not None else None,
         },
         "outputs": list(signature.outputs),
         "reference": {"device": "cpu", "dtype": reference.dtype, "flops": reference.flops, "note": reference.note,
                       "model": "original (eager attention, not rewritten)"},
         "tolerance": {"rule": "rmse(candidate, ref) <= k * rmse(eager in the candidate's dtype, ref) + atol",
                       "k": recipe.numerics.k, "k_default": "2 for float32, 3 for bfloat16/float16",
-                      "atol": recipe.numerics.atol},
+                      "atol": recipe.numerics.atol, "grid": recipe.numerics.grid,
+                      "grid_budget": recipe.numerics.grid_budget, "locate": recipe.numerics.locate},
         "attention": audit.to_dict(),
         "baseline": {"name": "eager", "device": recipe.runtime.device, "dtype": recipe.runtime.dtype,
+                     "kernels": eager_kernels,
                      "bench": eager_bench},
         "rewritten": _variant_dict(results[0]),
         "artifacts": [_variant_dict(r) for r in results[1:]],
@@ -166,24 +170,27 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"- Reference: original model in {r['reference']['dtype']} on the CPU; tolerance "
         f"`{r['tolerance']['rule']}`",
         "",
-        "| variant | status | worst rel. L2 | median ms | p90 ms | p99 ms | speedup | TFLOP/s | build s | size |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| variant | status | worst rel. L2 | median ms | p90 ms | p99 ms | speedup | TFLOP/s | build s | size "
+        "| attention kernels |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     base = r["baseline"]["bench"] or {}
     lines.append(f"| eager (baseline) | — | — | {_ms(base.get('median_ms'))} | {_ms(base.get('p90_ms'))} | "
-                 f"{_ms(base.get('p99_ms'))} | 1.00× | {_tf(base)} | — | — |")
+                 f"{_ms(base.get('p99_ms'))} | 1.00× | {_tf(base)} | — | — | {_kernels(r['baseline'].get('kernels'))} |")
     for v in [r["rewritten"]] + r["artifacts"]:
         b = v["bench"] or {}
         size = f"{v['size_bytes'] / 2**20:.1f} MiB" if v.get("size_bytes") else "—"
         build = f"{v['build_s']:.1f}" if v.get("build_s") is not None else "—"
         lines.append(f"| {v['name']} | {_verdict(v)} | {_err(v)} | {_ms(b.get('median_ms'))} | {_ms(b.get('p90_ms'))} "
-                     f"| {_ms(b.get('p99_ms'))} | {_x(b.get('speedup_vs_eager'))} | {_tf(b)} | {build} | {size} |")
+                     f"| {_ms(b.get('p99_ms'))} | {_x(b.get('speedup_vs_eager'))} | {_tf(b)} | {build} | {size} "
+                     f"| {_kernels((v.get('info') or {}).get('kernels'))} |")
     notes = [(v["name"], v["error"]) for v in [r["rewritten"]] + r["artifacts"] if v.get("error")]
     notes += [(v["name"], n) for v in [r["rewritten"]] + r["artifacts"] for n in v.get("notes", [])]
     if notes or r["warnings"]:
         lines += ["", "## Notes", ""]
         lines += [f"- **{name}**: {text}" for name, text in notes]
         lines += [f"- warning: {w}" for w in r["warnings"]]
+    lines += _grid_lines(r) + _locate_lines(r)
     if r["attention"]["sites"]:
         lines += ["", "## Attention sites", "", "| location | kind | status | causal | masked | GQA | head dim | reason |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -192,6 +199,55 @@ def render_markdown(report: dict[str, Any]) -> str:
                          f"| {_b(s['grouped_query'])} | {s['head_dim'] or '—'} | {s['reason'] or ''} |")
     lines += ["", f"Exit code {r['exit_code']}. Full data: `report.json`; hashes: `manifest.json`.", ""]
     return "\n".join(lines)
+
+
+def _grid_lines(r: dict[str, Any]) -> list[str]:
+    grid = r["inputs"].get("grid")
+    checked = [v for v in [r["rewritten"]] + r["artifacts"] if ((v.get("numerics") or {}).get("grid") or {}).get("checked")]
+    if not grid or not checked:
+        return []
+    points = [p["name"] for p in grid["points"]]
+    lines = ["", "## Shape grid", "",
+             f"{len(points)} points, each a generated sample with a recorded seed (`report.json` → `inputs.grid`); "
+             f"each point holds at most {grid['budget']:g}× the typical point's input elements.", "",
+             "| variant | " + " | ".join(f"`{p}`" for p in points) + " | fixed dims |",
+             "| --- | " + " | ".join("---" for _ in points) + " | --- |"]
+    for v in checked:
+        entry = v["numerics"]["grid"]
+        cells = {p["name"]: {True: "✅", False: "❌", None: "n/a"}[p["passed"]] for p in entry["points"]}
+        fixed = ", ".join(f"{s['input']}[{s['axis']}]={s['size']}" for s in entry.get("specialised", [])) or "none"
+        lines.append(f"| {v['name']} | " + " | ".join(cells.get(p, "—") for p in points) + f" | {fixed} |")
+    if grid.get("skipped"):
+        lines.append("")
+    lines += [f"- skipped `{s['name']}` {s['sizes']}: {s['reason']}" for s in grid.get("skipped", [])]
+    return lines
+
+
+def _locate_lines(r: dict[str, Any]) -> list[str]:
+    lines = []
+    for v in [r["rewritten"]] + r["artifacts"]:
+        found = (v.get("numerics") or {}).get("locate")
+        if not found:
+            continue
+        where = f"sample {found['sample']}" if "sample" in found else f"grid point {found.get('grid_point')}"
+        lines.append(f"- **{v['name']}** ({where}, {found['dtype']} on {found['device']}): {found['summary']}")
+        for method in ("replay", "graph"):
+            entry = found.get(method)
+            if entry:
+                lines.append(f"  - {method}: {entry['replayed']}; {entry['modules_checked']} module calls checked")
+    return (["", "## Divergence localisation", ""] + lines) if lines else []
+
+
+def _kernels(found: dict | None) -> str:
+    """'flash ×2', 'math ×2, softmax ×2', 'softmax ×12' (unfused), or '—' when nothing was recorded."""
+    if not found or found.get("source") in (None, "error"):
+        return "—"
+    parts = [f"{name} ×{count}" for name, count in (found.get("backends") or {}).items()]
+    if found.get("softmax_kernels"):
+        parts.append(f"softmax ×{found['softmax_kernels']}")
+    if found.get("source") == "none" and not parts:
+        return "not recorded"
+    return ", ".join(parts) or "—"
 
 
 def _tf(bench: dict) -> str:

@@ -14,13 +14,32 @@ from typing import Any, Callable
 
 import torch
 
-from .inputs import DTYPES
+from .grid import GridPlan, describe_signature, point_sample
+from .inputs import DTYPES, InputPlan
 from .modelio import IOModule, Signature
-from .numerics import judge
+from .numerics import judge, ratio
 from .recipe import Recipe
-from .reference import Reference, cast_in_place
-from .results import FAILED, NUMERICS_FAILED, VariantResult
+from .reference import Reference, cast_in_place, run_reference
+from .results import FAILED, NUMERICS_FAILED, OK, VariantResult
 from .runners import LocalRunner, Loaded, RemoteRunner, RunnerFailed, RunnerSpec
+
+# What localisation replays for each kind of candidate (the report quotes these).
+REPLAYED = {
+    "rewritten": "the rewritten model's submodules, eager",
+    "exported_program": "the rewritten eager model's submodules (the model the program was exported from)",
+    "aoti": "the rewritten eager model's submodules: an AOTInductor package is monolithic",
+    "onnx": "the rewritten eager model's submodules: an ONNX model is monolithic",
+    "compile": "the rewritten eager model's submodules: torch.compile's kernels cannot be replayed one module at a time",
+}
+PROGRAM_REPLAYED = {
+    "rewritten": "the submodules of the exported program of the rewritten model (torch.export.unflatten), run end "
+                 "to end: its attention was rewritten in a graph, so its eager submodules are the original ones",
+    "exported_program": "the exported program's submodules (torch.export.unflatten), run end to end",
+    "aoti": "the submodules of the exported program the package was compiled from (torch.export.unflatten), "
+            "run end to end",
+    "onnx": "the submodules of the exported program the ONNX model was exported from (torch.export.unflatten), "
+            "run end to end",
+}
 
 
 class Validation:
@@ -33,10 +52,14 @@ class Validation:
         self.original = original
         self.log_path = log_path
         self.baselines: dict[tuple[str, str], list[list[torch.Tensor]]] = {}
+        self.warnings: list[str] = []  # for the run's warnings (e.g. grid points the model itself cannot take)
         self.runners: list[Any] = []
 
     def local(self, name: str, module: torch.nn.Module, device: str, dtype: str) -> LocalRunner:
-        runner = LocalRunner(name, Loaded(lambda args: list(module(*args)), device, DTYPES[dtype]))
+        from .kernels import hook
+
+        runner = LocalRunner(name, Loaded(lambda args: list(module(*args)), device, DTYPES[dtype],
+                                          hooks={"kernels": hook(device)}))
         self.runners.append(runner)
         return runner
 
@@ -47,14 +70,19 @@ class Validation:
         """The original model's outputs at ``device``/``dtype`` (cast in place for another pair)."""
         key = (device, dtype)
         if key not in self.baselines:
-            with cast_in_place(self.original, DTYPES[dtype], device), torch.inference_mode():
-                runner = LocalRunner("eager", Loaded(lambda a: list(self.original(*a)), device, DTYPES[dtype]))
-                self.baselines[key] = runner.run(self.samples)
+            self.baselines[key] = self.eager_outputs(self.samples, device, dtype)
         return self.baselines[key]
 
+    def eager_outputs(self, samples: list[list[torch.Tensor]], device: str, dtype: str):
+        with cast_in_place(self.original, DTYPES[dtype], device), torch.inference_mode():
+            runner = LocalRunner("eager", Loaded(lambda a: list(self.original(*a)), device, DTYPES[dtype]))
+            return runner.run(samples)
+
+    def where(self, result: VariantResult) -> tuple[str, str]:
+        return result.device or self.recipe.runtime.device, result.dtype or self.recipe.runtime.dtype
+
     def judge(self, result: VariantResult, outputs) -> None:
-        device = result.device or self.recipe.runtime.device
-        dtype = result.dtype or self.recipe.runtime.dtype
+        device, dtype = self.where(result)
         verdict = judge(result.name, self.signature.outputs, self.reference.outputs, self.baseline(device, dtype),
                         outputs, self.recipe.numerics.multiplier(dtype), self.recipe.numerics.atol,
                         f"eager ({device}, {dtype})")
@@ -62,6 +90,126 @@ class Validation:
         if not verdict.passed:
             worst = verdict.failures[0]
             result.fail(NUMERICS_FAILED, f"output {worst.output} (sample {worst.sample}): {worst.reason}")
+
+    # ----------------------------------------------------------------------- the shape grid
+
+    def check_grid(self, grid: GridPlan | None, plan: InputPlan, candidates: list[tuple[VariantResult, Any]],
+                   signatures: dict[str, dict[str, Any]], why_not: str = "") -> None:
+        """Run every candidate at every grid point, point by point (one point's tensors in memory at a time)."""
+        entries: dict[str, dict[str, Any]] = {}
+        for result, _ in candidates:
+            entry: dict[str, Any] = {"checked": grid is not None, "reason": None if grid else why_not,
+                                     "passed": True, "points": [], "specialised": [], "narrowed": [],
+                                     "signature_source": None}
+            entry.update(signatures.get(result.name, {}))
+            result.notes.extend(describe_signature(entry))
+            entries[result.name] = entry
+            if result.numerics is not None:
+                result.numerics.grid = entry
+        if grid is None:
+            return
+        dead: dict[str, str] = {}
+        for point in grid.points:
+            sample = point_sample(plan, point)
+            ordered = [sample[n] for n in self.signature.inputs]
+            baselines: dict[tuple[str, str], Any] = {}
+            try:
+                with cast_in_place(self.original, None, "cpu"):  # back on the recipe's device afterwards
+                    reference = run_reference(self.original, [sample], count_flops=False).outputs
+                for result, _ in candidates:
+                    if self.where(result) not in baselines:
+                        baselines[self.where(result)] = self.eager_outputs([ordered], *self.where(result))
+            except Exception as exc:  # the recipe declares sizes the model itself cannot take
+                reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+                self.warnings.append(f"shape grid: the original model fails at {point.name} {point.sizes} "
+                                     f"({reason}); that point is not checked: narrow inputs.dims to what the "
+                                     "model supports")
+                for result, _ in candidates:
+                    entries[result.name]["points"].append({"name": point.name, "sizes": point.sizes, "passed": None,
+                                                           "error": f"not checked: the original model fails here "
+                                                                    f"({reason})"})
+                continue
+            for result, runner in candidates:
+                entry = entries[result.name]
+                record: dict[str, Any] = {"name": point.name, "sizes": point.sizes, "passed": False, "error": None}
+                entry["points"].append(record)
+                if result.name in dead:
+                    record["error"] = f"not run: {dead[result.name]}"
+                    continue
+                device, dtype = self.where(result)
+                try:
+                    outputs = runner.run([ordered])
+                except RunnerFailed as exc:
+                    record["error"] = exc.reason
+                    self._detail(result.name, exc.detail)
+                    process = getattr(runner, "process", None)
+                    if process is not None and process.poll() is not None:
+                        dead[result.name] = f"the process stopped at grid point {point.name}"
+                    continue
+                verdict = judge(result.name, self.signature.outputs, reference, baselines[(device, dtype)], outputs,
+                                self.recipe.numerics.multiplier(dtype), self.recipe.numerics.atol,
+                                f"eager ({device}, {dtype})")
+                worst = max(verdict.checks, key=ratio) if verdict.checks else None
+                record.update({"passed": verdict.passed, "worst_output": worst.output if worst else None,
+                               "rmse": worst.rmse if worst else None,
+                               "allowed_rmse": worst.allowed_rmse if worst else None,
+                               "ratio": ratio(worst) if worst else None})
+                if not verdict.passed:
+                    failure = verdict.failures[0]
+                    record["error"] = f"output {failure.output}: {failure.reason}"
+        for result, _ in candidates:
+            entry = entries[result.name]
+            failed = [p for p in entry["points"] if p["passed"] is False]
+            entry["passed"] = not failed
+            if not failed or result.status != OK:
+                continue
+            first = failed[0]
+            crashed = any(p.get("ratio") is None for p in failed)
+            if result.numerics is not None and not crashed:
+                result.numerics.passed = False
+            result.fail(FAILED if crashed else NUMERICS_FAILED,
+                        f"shape grid: {len(failed)} of {len(entry['points'])} points failed; "
+                        f"first {first['name']} {first['sizes']}: {first['error']}")
+
+    # ----------------------------------------------------------------------- localisation
+
+    def locate(self, result: VariantResult, counterpart: IOModule, plan: InputPlan, grid: GridPlan | None = None,
+               program=None, sample_index: int | None = None) -> None:
+        """Find the first divergent module of a candidate that failed numerics: on ``sample_index``, else on its
+        worst failing sample, else on its worst failing grid point."""
+        from .locate import locate
+
+        if result.numerics is None:
+            return
+        device, dtype = self.where(result)
+        if sample_index is None and result.numerics.failures:
+            sample_index = result.numerics.failures[0].sample
+        if sample_index is not None:
+            if sample_index < 0 or sample_index >= len(self.samples):
+                return
+            sample, where = self.samples[sample_index], {"sample": sample_index}
+        else:
+            failed = [p for p in (result.numerics.grid or {}).get("points", []) if p["passed"] is False and p.get("ratio")]
+            point = next((p for p in (grid.points if grid else []) if failed and p.name == failed[0]["name"]), None)
+            if point is None:
+                return
+            generated = point_sample(plan, point)
+            sample, where = [generated[n] for n in self.signature.inputs], {"grid_point": point.name}
+        same_program = program is not None and (device, dtype) == (self.recipe.runtime.device,
+                                                                   self.recipe.runtime.dtype)
+        from .rewrite.graph_capture import TracedModule
+
+        graph_rewritten = result.target == "rewritten" and isinstance(counterpart, TracedModule)
+        use_program = same_program and result.target in PROGRAM_REPLAYED and (
+            result.target != "rewritten" or graph_rewritten)
+        found = locate(self.original, counterpart, sample, device, dtype, self.recipe.numerics.multiplier(dtype),
+                       self.recipe.numerics.atol, label=REPLAYED.get(result.target, REPLAYED["compile"]),
+                       program=program if use_program else None,
+                       program_label=PROGRAM_REPLAYED.get(result.target, ""),
+                       backend=self.recipe.runtime.attention_backend, failing=result.status != OK)
+        result.numerics.locate = {**where, **found}
+        if result.error:
+            result.error = f"{result.error}; {found['summary']}"
 
     def remote(self, result: VariantResult, spec: RunnerSpec) -> RemoteRunner | None:
         """Load ``spec`` in its own process, run every sample, judge; None when it could not run."""

@@ -1,0 +1,351 @@
+"""``exporter verify OUT_DIR``: the release gate a pipeline runs before publishing an output folder.
+
+Without the checkpoint, in a fresh process:
+
+1. ``manifest.json`` must exist (written last: without it the run never finished) and every file it lists
+   must be present with its SHA-256; a file it does not list is a problem too.
+2. The run recorded in ``report.json`` must have passed.
+3. Every artifact whose files are intact is loaded in its own process, as convert loaded it, and run on
+   the stored reference inputs (``reference/inputs.safetensors``). Each output of each sample is compared
+   with the stored float64 reference output (``reference/outputs.safetensors``) against the bar convert
+   stored for that very (sample, output) (``numerics.checks[].allowed_rmse`` in report.json:
+   ``k * rmse(eager in the artifact's dtype, ref64) + atol``). NaN or Inf where the reference is finite
+   fails, integer outputs must match exactly.
+
+An artifact whose files do not match the manifest is not loaded: running a file that is not the one
+that was validated proves nothing, and for a compiled package it means running unknown native code.
+
+Exit codes (docs/exit-codes.md): 0 verified; 6 integrity (no manifest, a missing, changed or unlisted
+file, a report that lacks what verify needs); 3 a re-run exceeds its stored bar, or the recorded run
+failed numerics; 4 an artifact no longer loads or runs, or the recorded run had a target failure;
+5 this machine cannot run an artifact (a CUDA artifact without a GPU) or the JUnit file cannot be
+written; 2 usage. When several apply, the first in that order wins.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import EXIT_ENVIRONMENT, EXIT_INTEGRITY, EXIT_NUMERICS, EXIT_OK, EXIT_TARGET, EXIT_USAGE, UsageError
+from .junit import Case
+
+PRECEDENCE = (EXIT_INTEGRITY, EXIT_NUMERICS, EXIT_TARGET, EXIT_ENVIRONMENT, EXIT_USAGE)
+REPORT_SCHEMA_VERSION = 1
+
+
+@dataclass
+class Check:
+    subject: str  # "folder" or an artifact's name
+    name: str  # manifest | files | recorded verdict | sha256 | loads | numerics
+    passed: bool | None  # None: not run (the reason is the message)
+    message: str = ""
+    code: int = EXIT_OK  # the exit code a failure maps to
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        """One line: what is wrong, and (for a failure) how to fix it."""
+        text = f"{self.subject}: {self.message}" if self.subject != "folder" else self.message
+        fix = FIXES.get(self.code) if self.passed is False else None
+        return f"{text.rstrip('.')}. Fix: {fix}." if fix else text
+
+
+FIXES = {
+    EXIT_INTEGRITY: "publish only the folder exactly as exporter convert wrote it, or run exporter convert again",
+    EXIT_NUMERICS: "do not publish it; run exporter validate OUT_DIR --locate to find where it diverges",
+    EXIT_TARGET: "check the runtime versions against manifest.json's versions, or run exporter convert again",
+    EXIT_ENVIRONMENT: "verify on a machine like the one that built it",
+}
+
+
+@dataclass
+class VerifyResult:
+    out: Path
+    checks: list[Check] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def exit_code(self) -> int:
+        codes = {c.code for c in self.checks if c.passed is False}
+        return next((code for code in PRECEDENCE if code in codes), EXIT_OK)
+
+    @property
+    def passed(self) -> bool:
+        return self.exit_code == EXIT_OK
+
+    @property
+    def problems(self) -> list[str]:
+        return [c.line() for c in self.checks if c.passed is False]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"folder": str(self.out), "passed": self.passed, "exit_code": self.exit_code, "problems": self.problems,
+                "checks": [{"subject": c.subject, "check": c.name,
+                            "status": {True: "passed", False: "failed", None: "skipped"}[c.passed],
+                            "message": c.message, "seconds": round(c.seconds, 3)} for c in self.checks]}
+
+    def junit_cases(self) -> list[Case]:
+        return [Case(f"exporter.verify.{c.subject}", c.name, c.passed, c.message, c.seconds) for c in self.checks]
+
+
+# --------------------------------------------------------------------------- reading the folder
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def out_folder(out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    if not out.exists():
+        raise UsageError(f"output folder {out} does not exist", "pass the folder exporter convert wrote (--out)")
+    if not out.is_dir():
+        raise UsageError(f"{out} is not a folder", "pass the folder exporter convert wrote (--out)")
+    return out
+
+
+def artifact_spec(entry: dict[str, Any], out: Path, report: dict[str, Any]):
+    """The RunnerSpec that loads a recorded artifact as convert loaded it (rebuilt from report.json)."""
+    from .runners import RunnerSpec
+
+    options: tuple = ()
+    if entry["target"] == "onnx":
+        options = (("provider", (entry.get("graph") or {}).get("provider") or "CPUExecutionProvider"),)
+    elif entry["target"] == "aoti":
+        from .toolchain import aoti_preload
+
+        options = (("ld_preload", aoti_preload()),)  # this machine's compiler libstdc++, as convert does
+    return RunnerSpec(entry["name"], entry["target"], entry["device"], entry["dtype"], path=str(out / entry["path"]),
+                      options=options, attention_backend=(report.get("recipe") or {}).get("attention_backend", "auto"))
+
+
+def load_reference(out: Path, report: dict[str, Any]):
+    """(samples, fp64 reference outputs): each a list per sample, in the report's input/output order."""
+    from safetensors.torch import load_file
+
+    names, outputs = report["inputs"]["names"], report["outputs"]
+    count = report["inputs"]["samples"]
+    stored_in = load_file(str(out / "reference" / "inputs.safetensors"))
+    stored_out = load_file(str(out / "reference" / "outputs.safetensors"))
+    samples = [[stored_in[f"{i}.{n}"] for n in names] for i in range(count)]
+    reference = [[stored_out[f"{i}.{o}"] for o in outputs] for i in range(count)]
+    return samples, reference
+
+
+def device_problem(device: str) -> str | None:
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            return "runs on cuda; this machine has no usable GPU"
+    return None
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _check_files(out: Path, manifest: dict[str, Any], result: VerifyResult,
+                 artifacts: list[dict[str, Any]]) -> set[str]:
+    """Hash every listed file; return the paths that are missing or changed."""
+    from .checkpoint.files import sha256_file
+
+    bad: dict[str, str] = {}
+    listed = {}
+    root = out.resolve()
+    for entry in manifest.get("files", []):
+        rel = str(entry.get("path", ""))
+        path = (out / rel).resolve()
+        listed[rel] = entry
+        if not rel or path == root or root not in path.parents:
+            bad[rel] = f"manifest.json lists {rel!r}, a path outside the output folder"
+        elif not path.is_file():
+            bad[rel] = f"{rel} is missing"
+        elif path.stat().st_size != entry.get("bytes"):
+            bad[rel] = f"{rel} has {path.stat().st_size} bytes; manifest.json records {entry.get('bytes')}"
+        elif sha256_file(path) != entry.get("sha256"):
+            bad[rel] = f"{rel} does not match its SHA-256 in manifest.json (changed after convert)"
+    on_disk = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and not p.name.startswith(".")}
+    unlisted = sorted(on_disk - set(listed) - {"manifest.json"})
+    owned = {f["path"] for a in artifacts for f in (a.get("files") or [])}
+    for artifact in artifacts:
+        files = [f["path"] for f in artifact.get("files") or []]
+        if not files:
+            continue
+        problems = [bad[f] for f in files if f in bad] + [f"{f} is not listed in manifest.json" for f in files
+                                                           if f not in listed]
+        result.checks.append(Check(artifact["name"], "sha256", not problems,
+                                   "; ".join(problems) if problems else f"{len(files)} file(s) match manifest.json",
+                                   EXIT_INTEGRITY))
+    others = [bad[p] for p in sorted(bad) if p not in owned] + [f"{p} is in the folder but not in manifest.json"
+                                                                for p in unlisted]
+    result.checks.append(Check("folder", "files", not others, "; ".join(others) if others else
+                               f"{len(listed)} file(s) match manifest.json", EXIT_INTEGRITY))
+    return set(bad)
+
+
+def _recorded_verdict(report: dict[str, Any], result: VerifyResult) -> None:
+    if report.get("passed"):
+        result.checks.append(Check("folder", "recorded verdict", True, "the convert run passed"))
+        return
+    code = report.get("exit_code") or EXIT_NUMERICS  # exit 0 without passing: --allow-drift
+    first = (report.get("problems") or ["see report.json"])[0]
+    drift = " (numerics failures allowed by --allow-drift)" if report.get("allow_drift") else ""
+    result.checks.append(Check("folder", "recorded verdict", False,
+                               f"the convert run did not pass{drift}: {first}",
+                               code if code in PRECEDENCE else EXIT_NUMERICS))
+
+
+def compare_rerun(entry: dict[str, Any], outputs, reference, names: list[str]) -> tuple[list[str], int]:
+    """Problems of a re-run against the stored reference and the stored bars; and how many checks ran."""
+    import torch
+
+    from .numerics import metrics
+
+    bars = {(c["sample"], c["output"]): c for c in (entry.get("numerics") or {}).get("checks") or []}
+    problems, count = [], 0
+    for index, (ref_sample, got_sample) in enumerate(zip(reference, outputs)):
+        if len(got_sample) != len(names):
+            problems.append(f"sample {index}: returned {len(got_sample)} outputs, expected {len(names)}")
+            continue
+        for name, ref, got in zip(names, ref_sample, got_sample):
+            count += 1
+            where = f"output {name} (sample {index})"
+            if tuple(got.shape) != tuple(ref.shape):
+                problems.append(f"{where}: shape {list(got.shape)}, the reference has {list(ref.shape)}")
+                continue
+            if not ref.is_floating_point():
+                if not torch.equal(got.cpu().to(ref.dtype), ref):
+                    problems.append(f"{where}: integer output differs from the reference")
+                continue
+            bar = bars.get((index, name))
+            if bar is None:
+                problems.append(f"{where}: report.json holds no stored bar for it")
+                continue
+            nonfinite = int((torch.isfinite(ref) & ~torch.isfinite(got.detach().cpu())).sum())
+            rmse = metrics(ref, got)["rmse"]
+            if nonfinite:
+                problems.append(f"{where}: {nonfinite} NaN/Inf value(s) where the reference is finite")
+            elif not rmse <= bar["allowed_rmse"]:
+                problems.append(f"{where}: rmse {rmse:.3g} > allowed {bar['allowed_rmse']:.3g} "
+                                f"(at convert: rmse {bar['rmse']:.3g})")
+    return problems, count
+
+
+def _rerun(out: Path, report: dict[str, Any], entry: dict[str, Any], samples, reference, result: VerifyResult,
+           timeout_s: float) -> None:
+    from .runners import RemoteRunner, RunnerFailed
+
+    name = entry["name"]
+    problem = device_problem(entry["device"])
+    if problem:
+        result.checks.append(Check(name, "loads", False, problem, EXIT_ENVIRONMENT))
+        result.checks.append(Check(name, "numerics", None, "not run: the artifact could not be loaded here"))
+        return
+    if not (entry.get("numerics") or {}).get("checks"):
+        result.checks.append(Check(name, "numerics", False, "report.json holds no per-sample bars for this artifact "
+                                   "(written by an older exporter)", EXIT_INTEGRITY))
+        return
+    t0 = time.perf_counter()
+    try:
+        runner = RemoteRunner(artifact_spec(entry, out, report), timeout_s=timeout_s)
+    except RunnerFailed as exc:
+        result.checks.append(Check(name, "loads", False, f"no longer loads: {exc.reason}", EXIT_TARGET,
+                                   time.perf_counter() - t0))
+        result.checks.append(Check(name, "numerics", None, "not run: the artifact did not load"))
+        return
+    result.checks.append(Check(name, "loads", True, f"loaded in {runner.load_s:.1f} s", seconds=time.perf_counter() - t0))
+    t0 = time.perf_counter()
+    try:
+        outputs = runner.run(samples)
+    except RunnerFailed as exc:
+        result.checks.append(Check(name, "numerics", False, f"no longer runs: {exc.reason}", EXIT_TARGET,
+                                   time.perf_counter() - t0))
+        return
+    finally:
+        runner.close()
+    problems, count = compare_rerun(entry, outputs, reference, report["outputs"])
+    message = "; ".join(problems) if problems else f"{count} output checks within their stored bars"
+    result.checks.append(Check(name, "numerics", not problems, message, EXIT_NUMERICS, time.perf_counter() - t0))
+
+
+def verify(out_dir: str | Path, *, junit: str | Path | None = None, timeout_s: float = 3600.0) -> VerifyResult:
+    """Check an output folder against its manifest and re-run every artifact on the stored reference inputs."""
+    from . import junit as junit_mod
+
+    out = out_folder(out_dir)
+    if junit is not None:
+        junit_mod.check_writable(junit)
+    t_start = time.perf_counter()
+    result = VerifyResult(out)
+    try:
+        _verify(out, result, timeout_s)
+    finally:
+        result.seconds = time.perf_counter() - t_start
+        if junit is not None:
+            junit_mod.write(junit, "exporter verify", result.junit_cases(), result.seconds)
+    return result
+
+
+def _verify(out: Path, result: VerifyResult, timeout_s: float) -> None:
+    manifest_path = out / "manifest.json"
+    if not manifest_path.is_file():
+        result.checks.append(Check("folder", "manifest", False,
+                                   f"{out} has no manifest.json: the convert run never finished (interrupted, "
+                                   "crashed or still running), or this is not an exporter output folder",
+                                   EXIT_INTEGRITY))
+        return
+    try:
+        manifest = read_json(manifest_path)
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), list):
+            raise ValueError("no files list")
+    except (ValueError, UnicodeDecodeError) as exc:
+        result.checks.append(Check("folder", "manifest", False, f"manifest.json is not readable ({exc})",
+                                   EXIT_INTEGRITY))
+        return
+    result.checks.append(Check("folder", "manifest", True, f"{len(manifest['files'])} files listed"))
+    report = None
+    try:
+        report = read_json(out / "report.json")
+    except (OSError, ValueError, UnicodeDecodeError):
+        pass
+    artifacts = [a for a in (report or {}).get("artifacts", []) if isinstance(a, dict)]
+    bad = _check_files(out, manifest, result, artifacts)
+    trusted = {"report.json", "reference/inputs.safetensors", "reference/outputs.safetensors"}
+    if report is None or trusted & bad or any(p not in {f.get("path") for f in manifest["files"]} for p in trusted):
+        result.checks.append(Check("folder", "reference", False, "report.json or the stored reference is missing or "
+                                   "changed, so no artifact can be re-run against it", EXIT_INTEGRITY))
+        return
+    if report.get("schema_version") != REPORT_SCHEMA_VERSION:
+        result.checks.append(Check("folder", "reference", False, f"report.json has schema version "
+                                   f"{report.get('schema_version')}; this exporter reads {REPORT_SCHEMA_VERSION}",
+                                   EXIT_INTEGRITY))
+        return
+    _recorded_verdict(report, result)
+    samples, reference = load_reference(out, report)
+    for entry in artifacts:
+        name = entry["name"]
+        if not entry.get("path"):
+            why = entry.get("error") or "no file (a benchmark variant)"
+            result.checks.append(Check(name, "loads", None, f"not verified: {why}"))
+            continue
+        if entry.get("status") != "ok":
+            result.checks.append(Check(name, "loads", None, f"not re-run: convert recorded it as {entry.get('status')}"))
+            continue
+        if any(f["path"] in bad for f in entry.get("files") or []):
+            result.checks.append(Check(name, "loads", None, "not run: its files do not match manifest.json"))
+            continue
+        _rerun(out, report, entry, samples, reference, result, timeout_s)
+
+
+def summary(result: VerifyResult) -> str:
+    artifacts = sorted({c.subject for c in result.checks if c.name == "numerics" and c.passed})
+    if result.passed:
+        return (f"verified {result.out}: every file matches manifest.json; "
+                f"{len(artifacts)} artifact(s) re-run within their bars ({', '.join(artifacts) or 'none'})")
+    return f"verification of {result.out} failed (exit {result.exit_code}): {len(result.problems)} problem(s)"
+
+
+__all__ = ["verify", "VerifyResult", "Check", "EXIT_INTEGRITY", "artifact_spec", "load_reference", "compare_rerun",
+           "summary"]
