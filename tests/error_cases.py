@@ -84,6 +84,9 @@ def make_assets(root: Path) -> Assets:
         "def good(config=None):\n    return nn.Linear(4, 4)\n"
         "def raises(config=None):\n    raise ValueError('hidden size must be even')\n"
         "def not_a_module(config=None):\n    return {'weight': 1}\n")
+    from safetensors.torch import save_model
+
+    save_model(torch.nn.Linear(4, 4), str(factory_dir / "linear.safetensors"))
     return Assets(root, gpt2, factory_dir, module)
 
 
@@ -340,6 +343,14 @@ def _(tmp, a):
 
 
 # --------------------------------------------------------------------------- recipe and inputs
+
+
+@case("recipe and inputs", "declared inputs the model cannot take")
+def _(tmp, a):
+    argv = convert(a.factory_dir / "linear.safetensors", tmp, "--model", f"{a.factory_module}:good",
+                   "--dim", "batch=2:1:8", "--input", "input:float32:batch,5")
+    return Case("declared inputs the model cannot take", "recipe and inputs", argv, 2,
+                "the model failed on the first sample (input [2, 5] float32)", env=_factory_env(a))
 
 
 @case("recipe and inputs", "unknown recipe name")

@@ -91,3 +91,25 @@ def test_convert_command_end_to_end(tiny_models, tmp_path):
     assert (out / "manifest.json").is_file() and (out / "model.onnx").is_file()
     again = run_cli("convert", str(tiny_models["vit"]), "--recipe", str(recipe), cwd=tmp_path)
     assert again.returncode == 5 and "already holds a run" in again.stderr and "--overwrite" in again.stderr
+
+
+@pytest.mark.slow
+def test_custom_factory_with_inputs_declared_on_the_command_line(factory_checkpoint, tmp_path):
+    path, factory = factory_checkpoint
+    module_dir = str(__import__("importlib").import_module(factory.split(":")[0]).__file__).rsplit("/", 1)[0]
+    recipe = tmp_path / "quick.toml"
+    recipe.write_text('schema_version = 1\n[targets]\nbuild = ["exported_program", "onnx"]\n'
+                      '[bench]\nwarmup = 1\nrounds = 1\niterations = 2\n')
+    result = run_cli("convert", str(path), "--model", factory, "--recipe", str(recipe), "--out", str(tmp_path / "out"),
+                     "--dim", "batch=2:1:8", "--dim", "sequence=12:2:64",
+                     "--input", "tokens:int64:batch,sequence:0:100", "--input", "features:float32:batch,sequence,32",
+                     "--json", env={"PYTHONPATH": module_dir}, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    assert report["inputs"]["names"] == ["tokens", "features"]
+    assert report["inputs"]["shapes"] == {"tokens": [2, 12], "features": [2, 12, 32]}
+    assert report["inputs"]["dynamic"]["tokens"]["1"] == {"dim": "sequence", "min": 2, "max": 64}
+    assert all(a["status"] == "ok" for a in report["artifacts"])
+    bad = run_cli("convert", str(path), "--model", factory, "--input", "tokens:int99:batch", cwd=tmp_path,
+                  env={"PYTHONPATH": module_dir})
+    assert bad.returncode == 2 and "'int99' is not one of" in bad.stderr and "--dim/--input" in bad.stderr

@@ -149,3 +149,45 @@ def test_custom_factory_with_declared_inputs(factory_checkpoint, write_recipe, t
     features = torch.randn(5, 20, 32)
     logits, hidden = program(tokens, features)
     assert logits.shape == (5, 20, 100)
+
+
+ONNX_BREAKER = '''
+import torch
+import torch.nn as nn
+
+
+class RunningMax(nn.Module):
+    """torch.cummax has no ONNX translation: the onnx target must fail while the others are built."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.cummax(self.proj(x), dim=-1).values
+
+
+def build(config=None):
+    return RunningMax()
+'''
+
+
+def test_one_failing_target_loses_none_of_the_others(tmp_path, monkeypatch):
+    from safetensors.torch import save_model
+
+    (tmp_path / "onnx_breaker.py").write_text(ONNX_BREAKER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import onnx_breaker
+
+    save_model(onnx_breaker.build(), str(tmp_path / "model.safetensors"))
+    recipe = dataclasses.replace(quick(), inputs=dataclasses.replace(quick().inputs, tensors=()))
+    recipe = recipe.with_inputs(("batch=2:1:8",), ("x:float32:batch,8",))
+    result = exporter.convert(tmp_path / "model.safetensors", recipe, tmp_path / "out", model="onnx_breaker:build")
+    status = {a["target"]: a["status"] for a in result.report["artifacts"]}
+    assert status == {"exported_program": "ok", "aoti": "ok", "onnx": "failed"}
+    onnx_entry = next(a for a in result.report["artifacts"] if a["target"] == "onnx")
+    assert onnx_entry["error"].startswith("build failed")
+    assert result.exit_code == 4 and not result.report["passed"]
+    assert any(p.startswith("onnx:") for p in result.report["problems"])
+    assert (result.out / "manifest.json").is_file() and (result.out / "model.aoti.pt2").is_file()
+    assert (result.out / "logs" / "onnx.log").is_file()  # the traceback, for whoever debugs it

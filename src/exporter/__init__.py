@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .errors import ExporterError
 
-__all__ = ["convert", "inspect", "load_recipe", "ExporterError"]
+__all__ = ["convert", "inspect", "verify", "validate_folder", "load_recipe", "ExporterError"]
 
 
 def __getattr__(name: str):  # keep `import exporter` light: torch loads on first use
@@ -19,6 +19,14 @@ def __getattr__(name: str):  # keep `import exporter` light: torch loads on firs
         from . import api
 
         return getattr(api, name)
+    if name == "verify":
+        from .verify import verify
+
+        return verify
+    if name == "validate_folder":
+        from .revalidate import validate_folder
+
+        return validate_folder
     if name == "load_recipe":
         from .recipe import load_recipe
 

@@ -23,6 +23,7 @@ from .outdir import OutputFolder, disk_full, model_name, os_problem
 from .pipeline import ConvertRun
 from .prepare import original_module, rewrite
 from .progress import Progress
+from .runners import peak_rss_bytes
 from .quiet import quiet_libraries
 from .recipe import Recipe, load_recipe
 
@@ -39,9 +40,11 @@ class ConvertResult:
         return bool(self.report.get("passed"))
 
 
-def resolve_recipe(recipe: str | Path | Recipe, factory: str | None = None) -> Recipe:
+def resolve_recipe(recipe: str | Path | Recipe, factory: str | None = None, dims: tuple[str, ...] = (),
+                   tensors: tuple[str, ...] = ()) -> Recipe:
+    """The recipe (a name, a path or a Recipe), with the command line's factory and input declarations."""
     loaded = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
-    return loaded.with_factory(factory)
+    return loaded.with_factory(factory).with_inputs(dims, tensors)
 
 
 def default_out(checkpoint: str | Path, recipe: Recipe) -> Path:
@@ -67,23 +70,18 @@ def _signals():
         signal.signal(signal.SIGTERM, previous)
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory so far (Linux reports ru_maxrss in KiB)."""
-    import resource
-
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
 def convert(checkpoint: str | Path, recipe: str | Path | Recipe = "cpu-fp32", out: str | Path | None = None, *,
             model: str | None = None, inputs: str | Path | None = None, allow_drift: bool = False,
-            allow_pickle: bool = False, overwrite: bool = False, progress: Progress | None = None) -> ConvertResult:
+            allow_pickle: bool = False, overwrite: bool = False, progress: Progress | None = None,
+            dims: tuple[str, ...] = (), tensors: tuple[str, ...] = ()) -> ConvertResult:
     """Run the whole pipeline on ``checkpoint`` and return the report; files land in ``out``.
 
+    ``dims`` and ``tensors`` declare inputs as the command line's ``--dim`` and ``--input`` do.
     Raises ExporterError for user mistakes (before anything is written) and for interrupts; target
     and numerics failures are reported in the result (``exit_code``), not raised.
     """
     progress = progress or Progress(enabled=False)
-    recipe_obj = resolve_recipe(recipe, model)
+    recipe_obj = resolve_recipe(recipe, model, dims, tensors)
     check_machine(recipe_obj)
     checkpoint = Path(checkpoint)
     if not checkpoint.exists():
@@ -110,9 +108,10 @@ def convert(checkpoint: str | Path, recipe: str | Path | Recipe = "cpu-fp32", ou
 
 
 def inspect(checkpoint: str | Path, recipe: str | Path | Recipe = "cpu-fp32", *, model: str | None = None,
-            inputs: str | Path | None = None, allow_pickle: bool = False) -> dict[str, Any]:
+            inputs: str | Path | None = None, allow_pickle: bool = False, dims: tuple[str, ...] = (),
+            tensors: tuple[str, ...] = ()) -> dict[str, Any]:
     """Architecture, parameter count, dtypes and attention sites of a checkpoint, without exporting."""
-    recipe_obj = resolve_recipe(recipe, model)
+    recipe_obj = resolve_recipe(recipe, model, dims, tensors)
     loaded = load_model(checkpoint, recipe_obj.model.factory, allow_pickle)
     plan = plan_inputs(loaded.model, recipe_obj.inputs, inputs)
     outputs = discover_outputs(loaded.model, plan.samples[0], recipe_obj.model.outputs)

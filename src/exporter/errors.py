@@ -14,6 +14,8 @@ Exit codes (documented in docs/exit-codes.md):
 4   target failure: a target could not be built, loaded or run
 5   environment or output error: missing dependency or device, output folder
     not writable or in use, disk full
+6   integrity failure (exporter verify): no manifest, or a file missing, changed
+    or not listed in it
 130 interrupted by SIGINT; 143 terminated by SIGTERM
 ==  ==========================================================================
 """
@@ -26,6 +28,7 @@ EXIT_USAGE = 2
 EXIT_NUMERICS = 3
 EXIT_TARGET = 4
 EXIT_ENVIRONMENT = 5
+EXIT_INTEGRITY = 6
 EXIT_SIGINT = 130
 EXIT_SIGTERM = 143
 
@@ -84,6 +87,18 @@ class TargetError(ExporterError):
     """At least one target could not be built, loaded or run."""
 
     exit_code = EXIT_TARGET
+
+
+class ReferenceFailed(ExporterError):
+    """The original model cannot be run for the float64 reference, so nothing can be validated."""
+
+    exit_code = EXIT_TARGET
+
+
+class IntegrityError(ExporterError):
+    """An output folder does not match its manifest (exporter verify)."""
+
+    exit_code = EXIT_INTEGRITY
 
 
 class EnvironmentProblem(ExporterError):

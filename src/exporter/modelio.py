@@ -103,9 +103,15 @@ def make_io_module(model: nn.Module, signature: Signature, attn_implementation: 
 def discover_outputs(model: nn.Module, inputs: dict[str, torch.Tensor], wanted: tuple[str, ...] = ()) -> tuple[str, ...]:
     """Run once and name the tensor outputs; keep ``wanted`` (in that order) when given."""
     probe = IOModule(model, Signature(tuple(inputs), ()))
-    with torch.inference_mode():
-        kwargs = dict(inputs)
-        result = model(**kwargs, **probe._extra)
+    try:
+        with torch.inference_mode():
+            result = model(**dict(inputs), **probe._extra)
+    except Exception as exc:
+        shapes = ", ".join(f"{k} {list(v.shape)} {str(v.dtype).replace('torch.', '')}" for k, v in inputs.items())
+        text = " ".join(str(exc).split())[:300]
+        raise InputsError(f"the model failed on the first sample ({shapes}): {type(exc).__name__}: {text}",
+                          "check the inputs (declared in the recipe or with --input, or the --inputs file) "
+                          "against the model's forward()") from None
     names = [n for n, _ in flatten_outputs(result)]
     if not names:
         raise InputsError("the model returned no tensors", "return at least one tensor from forward()")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from .errors import ReferenceFailed
 from .inputs import cast_sample
 from .modelio import IOModule
 
@@ -28,8 +29,9 @@ class Reference:
 
 
 @contextlib.contextmanager
-def cast_in_place(model: nn.Module, dtype: torch.dtype, device: str = "cpu"):
-    """Cast every floating parameter and buffer to ``dtype`` on ``device``; restore each on exit."""
+def cast_in_place(model: nn.Module, dtype: torch.dtype | None, device: str = "cpu"):
+    """Move every parameter and buffer to ``device`` and cast floating ones to ``dtype`` (None: keep);
+    restore each tensor's own dtype and device on exit."""
     originals = {}
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         originals[name] = (tensor.dtype, tensor.device)
@@ -122,15 +124,22 @@ def run_reference(io: IOModule, samples: list[dict[str, torch.Tensor]], count_fl
     not run that way (a module reading another's weights), the whole model is cast in place when a
     float64 copy fits in memory, else the reference runs in float32 and says so.
     """
-    io.to("cpu")
-    try:
-        with upcast_while_running(io, torch.float64):
-            outputs, flops = _run(io, samples, torch.float64, count_flops)
-        return Reference(outputs, "float64", flops)
-    except RuntimeError as exc:
-        first = " ".join(str(exc).split())[:160]
-        dtype, note = _whole_model_dtype(io)
-        note = (note + "; " if note else "") + f"per-module upcast failed ({first}); whole model cast instead"
-    with cast_in_place(io, dtype):
-        outputs, flops = _run(io, samples, dtype, count_flops)
+    with cast_in_place(io, None, "cpu"):  # back on its own device afterwards (grid points run mid-pipeline)
+        try:
+            with upcast_while_running(io, torch.float64):
+                outputs, flops = _run(io, samples, torch.float64, count_flops)
+            return Reference(outputs, "float64", flops)
+        except RuntimeError as exc:
+            first = " ".join(str(exc).split())[:160]
+            dtype, note = _whole_model_dtype(io)
+            note = (note + "; " if note else "") + f"per-module upcast failed ({first}); whole model cast instead"
+        try:
+            with cast_in_place(io, dtype):
+                outputs, flops = _run(io, samples, dtype, count_flops)
+        except Exception as exc:
+            text = " ".join(str(exc).split())[:300]
+            raise ReferenceFailed(f"the original model does not run in {str(dtype).replace('torch.', '')} on the "
+                                  f"CPU ({type(exc).__name__}: {text}), so no reference can be computed",
+                                  "make the model run in float64 on the CPU (ops without a float64 kernel cannot)"
+                                  ) from None
     return Reference(outputs, str(dtype).replace("torch.", ""), flops, note)

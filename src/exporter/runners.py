@@ -78,11 +78,26 @@ class Loaded:
     hooks: dict[str, Callable[..., Any]] = field(default_factory=dict)  # extra commands, e.g. a profiler
 
 
+def peak_rss_bytes() -> int:
+    """This process's own peak resident memory.
+
+    Linux's VmHWM belongs to the process's address space and starts afresh at exec; ``ru_maxrss`` would
+    also count the parent's memory at the time it forked this process.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
 def _peak_memory(device: str) -> dict[str, Any]:
     if device.startswith("cuda") and torch.cuda.is_available():
         return {"peak_memory_bytes": int(torch.cuda.max_memory_allocated()), "memory_kind": "cuda allocator peak"}
-    return {"peak_memory_bytes": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024,
-            "memory_kind": "process peak RSS"}
+    return {"peak_memory_bytes": peak_rss_bytes(), "memory_kind": "process peak RSS"}
 
 
 class Session:
@@ -139,6 +154,9 @@ class LocalRunner:
     def refresh_info(self) -> dict[str, Any]:
         self.info.update(self.session.loaded.info)
         return self.info
+
+    def call(self, hook: str, *args):
+        return self.session.loaded.hooks[hook](self.session, *args)
 
     def close(self) -> None:
         pass
