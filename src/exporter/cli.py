@@ -223,6 +223,8 @@ def validate(out_dir, locate, targets, checkpoint, allow_pickle, quiet, as_json)
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the CLI; turn ExporterError into one line and its exit code."""
     debug = os.environ.get("EXPORTER_DEBUG") == "1"
+    if not debug:
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's start/stop lines (read when torch loads)
     try:
         cli.main(args=argv, prog_name="exporter", standalone_mode=False)
     except click.exceptions.Exit as exc:

@@ -41,6 +41,8 @@ def load_transformers(arch: Architecture, checkpoint: Checkpoint) -> tuple[nn.Mo
     cls = getattr(transformers, arch.name)
     state_dict = dict(checkpoint.tensors())
     dtype = checkpoint_float_dtype(checkpoint)
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()  # our own progress display reports the stage
     try:
         model, info = cls.from_pretrained(None, config=arch.hf_config, state_dict=state_dict,
                                           attn_implementation="eager", output_loading_info=True, dtype=dtype,
@@ -55,6 +57,9 @@ def load_transformers(arch: Architecture, checkpoint: Checkpoint) -> tuple[nn.Mo
         raise ArchitectureError(f"transformers could not build {arch.name} from {checkpoint.path} "
                                 f"({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''})",
                                 "check that config.json matches the weights") from None
+    finally:
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
     problems = []
     mismatched = info.get("mismatched_keys") or set()
     if mismatched:
