@@ -1,8 +1,9 @@
 """Target ``onnx``: the dynamo ONNX exporter, checked with ``onnx.checker``, run with onnxruntime.
 
 At opset 23 and above SDPA becomes the ONNX ``Attention`` op. Inputs and
-outputs carry the model's real names. Models over 2 GB store their weights in
-``model.onnx.data`` beside the graph.
+outputs carry the model's real names. Models over 256 MiB store their weights in
+``model.onnx.data`` beside the graph: saving them inside the ``.onnx`` serialises the whole model in
+memory (twice the weights, measured), external data is written tensor by tensor.
 
 onnxruntime's CPU execution provider has no bfloat16/float16 kernels for most
 ops. When the recipe's dtype is half precision and no CUDA execution provider
@@ -24,7 +25,9 @@ from ..runners import Loaded, RunnerSpec
 from . import BuildContext, Built, register
 
 FILE = "model.onnx"
-EXTERNAL_DATA_BYTES = 1_800_000_000
+# Above this, weights go to model.onnx.data: saving them inside the .onnx serialises the whole model in
+# memory (twice the weights, measured), while external data is written tensor by tensor.
+EXTERNAL_DATA_BYTES = 256 * 2**20
 
 
 def choose_provider(device: str) -> str:
