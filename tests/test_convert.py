@@ -191,3 +191,21 @@ def test_one_failing_target_loses_none_of_the_others(tmp_path, monkeypatch):
     assert any(p.startswith("onnx:") for p in result.report["problems"])
     assert (result.out / "manifest.json").is_file() and (result.out / "model.aoti.pt2").is_file()
     assert (result.out / "logs" / "onnx.log").is_file()  # the traceback, for whoever debugs it
+
+
+def test_compile_variant_of_a_graph_rewritten_model(factory_checkpoint, write_recipe, tmp_path):
+    """torch.compile runs in its own process, rebuilt from the checkpoint with the same rewrite."""
+    from conftest import FACTORY_RECIPE
+
+    path, factory = factory_checkpoint
+    text = FACTORY_RECIPE.format(targets='["compile"]').replace("[bench]", "[numerics]\ngrid = false\n\n[bench]")
+    recipe = write_recipe(text.replace('build = ["compile"]', 'build = ["compile"]\ncompile_modes = ["default"]'))
+    result = exporter.convert(path, recipe, tmp_path / "out", model=factory)
+    assert result.exit_code == 0, result.report["problems"]
+    assert result.report["attention"]["rewritten"] == 1  # the factory's hand-written attention
+    (variant,) = result.report["artifacts"]
+    assert variant["name"] == "compile:default" and variant["status"] == "ok"
+    assert variant["numerics"]["passed"] and variant["path"] is None
+    assert variant["build_s"] > 0 and variant["info"]["mode"] == "default"
+    assert variant["bench"]["median_ms"] > 0
+    assert variant["info"]["kernels"]["softmax_kernels"] == 0  # no unfused softmax survived the rewrite
