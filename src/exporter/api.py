@@ -21,7 +21,8 @@ from .inputs import plan_inputs
 from .modelio import Signature, discover_outputs
 from .outdir import OutputFolder, disk_full, model_name, os_problem
 from .pipeline import ConvertRun
-from .prepare import original_module, rewrite
+from .prepare import original_module
+from .rewrite import rewrite_attention
 from .progress import Progress
 from .runners import peak_rss_bytes
 from .quiet import quiet_libraries
@@ -117,7 +118,7 @@ def inspect(checkpoint: str | Path, recipe: str | Path | Recipe = "cpu-fp32", *,
     outputs = discover_outputs(loaded.model, plan.samples[0], recipe_obj.model.outputs)
     signature = Signature(plan.names, outputs)
     original = original_module(loaded, signature)
-    _, audit = rewrite(original, [plan.samples[0][n] for n in plan.names])
+    _, audit = rewrite_attention(original, [plan.samples[0][n] for n in plan.names])
     dtypes: dict[str, int] = {}
     for info in loaded.checkpoint.entries.values():
         key = str(info.dtype).replace("torch.", "")

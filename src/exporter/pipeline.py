@@ -17,12 +17,14 @@ import torch
 from . import report as report_mod
 from .bench import run_benchmark, summarize
 from .checkpoint import check_finite, load_model
+from .checkpoint.loader import listing
 from .errors import CheckpointError
 from .grid import onnx_signature, plan_grid, program_signature
 from .inputs import DTYPES, plan_inputs
 from .modelio import Signature, discover_outputs
 from .outdir import os_problem
-from .prepare import original_module, rewrite
+from .prepare import original_module
+from .rewrite import rewrite_attention
 from .progress import Progress
 from .recipe import Recipe
 from .reference import run_reference
@@ -98,11 +100,11 @@ class ConvertRun:
             self.loaded = loaded = load_model(self.checkpoint, recipe.model.factory, self.allow_pickle)
             bad = check_finite(loaded.model)
             if bad:
-                listing = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+                names = listing(bad)
                 if recipe.model.nonfinite_weights == "error":
-                    raise CheckpointError(f"checkpoint {self.checkpoint} holds NaN or Inf in {listing}",
+                    raise CheckpointError(f"checkpoint {self.checkpoint} holds NaN or Inf in {names}",
                                           "fix the weights, or set [model] nonfinite_weights = \"warn\"")
-                self.warnings.append(f"weights hold NaN or Inf: {listing}")
+                self.warnings.append(f"weights hold NaN or Inf: {names}")
                 progress.warn(self.warnings[-1])
 
         with progress.stage("inputs"):
@@ -119,7 +121,7 @@ class ConvertRun:
             save_tensors(self.staging / "reference" / "outputs.safetensors", reference.outputs, signature.outputs)
 
         with progress.stage("rewrite attention"):
-            rewritten, audit = rewrite(original, list(samples[0]))
+            rewritten, audit = rewrite_attention(original, list(samples[0]))
             progress.info(f"attention sites: {audit.found} found, {audit.count('rewritten')} rewritten, "
                           f"{audit.count('skipped')} skipped")
 

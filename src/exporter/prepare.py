@@ -25,10 +25,6 @@ def original_module(loaded: LoadedModel, signature: Signature) -> IOModule:
     return make_io_module(loaded.model, signature, "eager" if loaded.architecture.is_transformers else None)
 
 
-def rewrite(original: IOModule, example: list[torch.Tensor]) -> tuple[IOModule, AttentionAudit]:
-    return rewrite_attention(original, example)
-
-
 def from_source(source: ModelSource) -> Prepared:
     """Rebuild what convert built, in another process: load, wrap, rewrite (audited on the stored sample 0)."""
     from safetensors.torch import load_file
@@ -38,7 +34,7 @@ def from_source(source: ModelSource) -> Prepared:
     original = original_module(loaded, signature)
     stored = load_file(source.example_file)
     example = [stored[f"0.{name}"] for name in source.inputs]
-    rewritten, audit = rewrite(original, example)
+    rewritten, audit = rewrite_attention(original, example)
     return Prepared(loaded, original, rewritten, audit)
 
 

@@ -70,7 +70,8 @@ def validate_folder(out_dir: str | Path, *, locate: bool = False, targets: tuple
     from .grid import plan_grid
     from .inputs import DTYPES, plan_inputs
     from .modelio import Signature
-    from .prepare import original_module, rewrite
+    from .prepare import original_module
+    from .rewrite import rewrite_attention
     from .quiet import quiet_libraries
     from .reference import Reference
     from .runners import RunnerFailed
@@ -97,7 +98,7 @@ def validate_folder(out_dir: str | Path, *, locate: bool = False, targets: tuple
             plan = plan_inputs(loaded.model, recipe.inputs)
             signature = Signature(tuple(report["inputs"]["names"]), tuple(report["outputs"]))
             original = original_module(loaded, signature)
-            rewritten, _ = rewrite(original, list(samples[0]))
+            rewritten, _ = rewrite_attention(original, list(samples[0]))
             loaded.model.to(device=device, dtype=DTYPES[dtype])
             rewritten.to(device=device, dtype=DTYPES[dtype])
         validation = Validation(recipe, signature, Reference(reference, "float64", 0), samples, original,

@@ -19,13 +19,7 @@ import torch.nn as nn
 from ..errors import ArchitectureError, CheckpointError
 from .architecture import Architecture
 from .files import Checkpoint
-from .loader import MAX_LISTED, LoadReport
-
-
-def _listing(names) -> str:
-    names = sorted(str(n) for n in names)
-    shown = ", ".join(names[:MAX_LISTED])
-    return shown + (f" and {len(names) - MAX_LISTED} more" if len(names) > MAX_LISTED else "")
+from .loader import LoadReport, listing
 
 
 def checkpoint_float_dtype(checkpoint: Checkpoint) -> torch.dtype:
@@ -65,13 +59,13 @@ def load_transformers(arch: Architecture, checkpoint: Checkpoint) -> tuple[nn.Mo
     if mismatched:
         # reported, not reinitialised in silence: ignore_mismatched_sizes only makes transformers list them
         shown = [m if isinstance(m, str) else f"{m[0]} (checkpoint {list(m[1])}, model {list(m[2])})" for m in mismatched]
-        problems.append(f"{len(shown)} mis-shaped: {_listing(shown)}")
+        problems.append(f"{len(shown)} mis-shaped: {listing(sorted(shown))}")
     missing = info.get("missing_keys") or set()
     if missing:
-        problems.append(f"{len(missing)} missing: {_listing(missing)}")
+        problems.append(f"{len(missing)} missing: {listing(sorted(missing))}")
     unexpected = info.get("unexpected_keys") or set()
     if unexpected:
-        problems.append(f"{len(unexpected)} unexpected: {_listing(unexpected)}")
+        problems.append(f"{len(unexpected)} unexpected: {listing(sorted(unexpected))}")
     errors = info.get("error_msgs") or []
     if errors:
         problems.append(f"load errors: {'; '.join(str(e).splitlines()[0] for e in errors[:3])}")

@@ -55,7 +55,9 @@ class LoadReport:
     nonfinite: list[str] = field(default_factory=list)
 
 
-def _listing(names: list[str]) -> str:
+def listing(names) -> str:
+    """The first MAX_LISTED names, and how many more."""
+    names = [str(n) for n in names]
     shown = ", ".join(names[:MAX_LISTED])
     return shown + (f" and {len(names) - MAX_LISTED} more" if len(names) > MAX_LISTED else "")
 
@@ -126,9 +128,9 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint) -> LoadReport:
     if misshaped or unexpected:
         problems = []
         if misshaped:
-            problems.append(f"{len(misshaped)} mis-shaped: {_listing(misshaped)}")
+            problems.append(f"{len(misshaped)} mis-shaped: {listing(misshaped)}")
         if unexpected:
-            problems.append(f"{len(unexpected)} unexpected: {_listing(sorted(unexpected))}")
+            problems.append(f"{len(unexpected)} unexpected: {listing(sorted(unexpected))}")
         raise CheckpointError(f"checkpoint {checkpoint.path} does not fit the architecture; " + "; ".join(problems),
                               "use the config.json or --model factory the checkpoint was saved from")
 
@@ -163,7 +165,7 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint) -> LoadReport:
         missing.append(name)
     if missing:
         raise CheckpointError(f"checkpoint {checkpoint.path} does not fit the architecture; "
-                              f"{len(missing)} missing: {_listing(missing)}",
+                              f"{len(missing)} missing: {listing(missing)}",
                               "use the config.json or --model factory the checkpoint was saved from")
 
     # One pass per tied group keeps a single Parameter object for every alias.
@@ -182,7 +184,7 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint) -> LoadReport:
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"]
     if left:
         raise CheckpointError(f"checkpoint {checkpoint.path} does not fit the architecture; "
-                              f"{len(left)} missing: {_listing(left)}",
+                              f"{len(left)} missing: {listing(left)}",
                               "use the config.json or --model factory the checkpoint was saved from")
     for param in model.parameters():
         param.requires_grad_(False)
