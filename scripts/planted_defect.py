@@ -1,7 +1,7 @@
 """Plant a real defect in the attention path, convert, and show that the gate fails and names the module.
 
     python scripts/planted_defect.py OUT_DIR [--recipe h100-bf16] [--defect wrong-scale|dropped-mask|transposed-k]
-                                             [--model llama|gpt2|bert] [--size tiny|medium]
+                                             [--model llama|gpt2|bert] [--size tiny|medium] [--target NAME ...]
 
 The defect goes where exporter's rewrite sends attention: transformers' "sdpa" attention function, replaced
 through the library's public AttentionInterface (wrong-scale: layer 1 uses softmax scale 1 instead of
@@ -44,6 +44,7 @@ def main() -> int:
     parser.add_argument("--defect", default="wrong-scale", choices=sorted(defects()))
     parser.add_argument("--model", default="llama", choices=["llama", "gpt2", "bert"])
     parser.add_argument("--size", default="tiny", choices=["tiny", "medium"])
+    parser.add_argument("--target", action="append", default=[], help="build only this target (repeatable)")
     args = parser.parse_args()
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -66,7 +67,8 @@ def main() -> int:
 
     AttentionInterface.register("sdpa", attention)
     run = args.out / "run"
-    result = exporter.convert(model_dir, args.recipe, run, overwrite=True, progress=Progress())
+    result = exporter.convert(model_dir, args.recipe, run, overwrite=True, progress=Progress(),
+                              targets=tuple(args.target))
     AttentionInterface.register("sdpa", sdpa_attention_forward)
     for name in ("report.md", "report.json"):
         shutil.copy(run / name, args.out / name)

@@ -388,6 +388,13 @@ def _(tmp, a):
                 ["convert", str(a.gpt2), "--recipe", str(path)], 2, "'cudnn' needs device 'cuda'")
 
 
+@case("recipe and inputs", "unknown --target")
+def _(tmp, a):
+    return Case("unknown --target", "recipe and inputs",
+                ["convert", str(a.gpt2), "--target", "trt", "--out", str(tmp / "out")], 2,
+                "'trt' is not one of exported_program, aoti, onnx, compile, tensorrt")
+
+
 @case("recipe and inputs", "CUDA recipe on a machine without a GPU")
 def _(tmp, a):
     return Case("CUDA recipe on a machine without a GPU", "recipe and inputs",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -209,3 +210,44 @@ def test_compile_variant_of_a_graph_rewritten_model(factory_checkpoint, write_re
     assert variant["build_s"] > 0 and variant["info"]["mode"] == "default"
     assert variant["bench"]["median_ms"] > 0
     assert variant["info"]["kernels"]["softmax_kernels"] == 0  # no unfused softmax survived the rewrite
+
+
+def test_no_rewrite_leaves_attention_as_written(tmp_path, monkeypatch):
+    """--no-rewrite --target exported_program on a model with hand-written attention: the sites are audited,
+    none rewritten, the artifact runs explicit softmax; the same run with the rewrite runs the SDPA kernel."""
+    import subprocess
+
+    from exporter.rewrite import OFF
+
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    subprocess.run([sys.executable, str(scripts / "handwritten_gpt.py"), str(tmp_path / "gpt"), "--size", "tiny"],
+                   check=True, capture_output=True)
+    monkeypatch.syspath_prepend(str(scripts))
+    declared = dict(dims=("batch=2:1:4", "sequence=32:2:128"),
+                    tensors=("input_ids:int64:batch,sequence:0:256", "attention_mask:int64:batch,sequence"))
+    runs = {}
+    for rewrite in (True, False):
+        runs[rewrite] = exporter.convert(tmp_path / "gpt", "cpu-fp32", tmp_path / f"out-{rewrite}",
+                                         model="handwritten_gpt:build", rewrite=rewrite,
+                                         targets=("exported_program",), **declared)
+        assert runs[rewrite].exit_code == 0, runs[rewrite].report["problems"]
+    on, off = runs[True].report, runs[False].report
+    assert [a["name"] for a in off["artifacts"]] == ["exported_program"]
+    assert off["recipe"]["rewrite_attention"] is False and on["recipe"]["rewrite_attention"] is True
+    assert (on["attention"]["found"], on["attention"]["rewritten"]) == (2, 2)
+    assert (off["attention"]["found"], off["attention"]["rewritten"]) == (2, 0)
+    assert all(s["status"] == "skipped" and s["reason"] == OFF for s in off["attention"]["sites"])
+    kernels_on, kernels_off = (r["artifacts"][0]["info"]["kernels"] for r in (on, off))
+    assert kernels_on["backends"] == {"flash": 2} and kernels_on["softmax_kernels"] == 0
+    assert kernels_off["backends"] == {} and kernels_off["softmax_kernels"] == 2
+    assert "rewrite off" in (runs[False].out / "report.md").read_text()
+
+
+def test_target_option_checks_names():
+    from exporter.api import resolve_recipe
+    from exporter.errors import RecipeError
+
+    assert resolve_recipe("h100-bf16", targets=("onnx", "aoti")).targets.build == ("aoti", "onnx")
+    with pytest.raises(RecipeError, match="'trt' is not one of"):
+        resolve_recipe("cpu-fp32", targets=("trt",))
+    assert resolve_recipe("cpu-fp32", rewrite=False).runtime.rewrite_attention is False

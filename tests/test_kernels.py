@@ -28,7 +28,16 @@ def test_names_are_classified_per_backend():
                                  ("cudnn_generated_fort_native_sdpa_sm90_knob_7_64x128x64", True),
                                  ("void (anonymous namespace)::cunn_SoftMaxForward<4, float>", True)], "cuda")
     assert gpu_only["backends"] == {"flash": 1, "cudnn": 1} and gpu_only["softmax_kernels"] == 1
-    assert gpu_only["source"] == "device kernels" and "unverified" in gpu_only["note"]
+    assert gpu_only["source"] == "device kernels" and "kernel names" in gpu_only["note"]
+    # as recorded on an H200 (docs/runs/h100-bf16-handwritten-gpt.report.json): an eager softmax is an ATen op
+    # plus the kernel it launches, one softmax; the cuDNN SDPA kernel of an AOTInductor package
+    eager_gpu = kernels.classify([("aten::softmax", False), ("aten::_softmax", False),
+                                  ("void (anonymous namespace)::softmax_warp_forward<float, float, float, 10>", True)],
+                                 "cuda")
+    assert eager_gpu["softmax_kernels"] == 1 and eager_gpu["backends"] == {}
+    aoti_gpu = kernels.classify([("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x64", True),
+                                 ("triton_red_fused__softmax__to_copy_add_4", True)], "cuda")
+    assert aoti_gpu["backends"] == {"cudnn": 1} and aoti_gpu["softmax_kernels"] == 1
     nothing = kernels.classify([("graph_0_cpp_fused__softmax_0", False), ("aten::bmm", False)])
     assert nothing["backends"] == {} and nothing["softmax_kernels"] == 1 and "unfused" in nothing["note"]
 

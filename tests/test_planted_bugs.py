@@ -324,6 +324,25 @@ def test_export_only_defect_is_found_in_the_program_not_in_eager(user_model, tmp
     assert found["replay"]["first_divergent"] is None and found["replay"]["modules_checked"] > 10
 
 
+def test_bfloat16_with_a_large_atol_still_names_the_attention(tiny_models, tmp_path):
+    """h100-bf16's atol (1e-3) is larger than the absolute error the defect makes at the attention's output
+    (~6e-4, on outputs of RMS ~0.03); only the norm after it amplifies the error past atol. Each module's floor
+    is atol scaled to that module's magnitude, so the attention is named, not the norm downstream (seen on
+    the H200 before the floor was scaled)."""
+    recipe = quick(["exported_program"], dtype="bfloat16")
+    recipe = dataclasses.replace(recipe, numerics=dataclasses.replace(recipe.numerics, atol=1e-3))
+    recipe = recipe.with_inputs(("batch=8:1:16", "sequence=64:16:128"))
+    with planted_sdpa(wrong_scale_in_layer_1):
+        result = exporter.convert(tiny_models["llama"], recipe, tmp_path / "llama-bf16")
+    assert result.exit_code == 3, result.report["problems"]
+    for variant in candidates(result.report):
+        found = variant["numerics"]["locate"]
+        assert found["dtype"] == "bfloat16"
+        assert found["module"] == "model.layers.1.self_attn", (variant["name"], found["summary"])
+        first = found[found["found_by"]]["first_divergent"]
+        assert first["output_error"]["rmse"] < 1e-3  # under the unscaled atol: the old rule would have passed it
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_planted_defect_is_caught_on_the_gpu_with_h100_bf16(tiny_models, tmp_path):

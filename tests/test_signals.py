@@ -33,7 +33,8 @@ def wait_for(process, fragment: str, timeout: float = 300) -> list[str]:
 
 @pytest.mark.parametrize("signum, code, stage", [(signal.SIGTERM, 143, "build aoti"),
                                                  (signal.SIGINT, 130, "torch.export"),
-                                                 (signal.SIGTERM, 143, "validate numerics")])
+                                                 (signal.SIGTERM, 143, "validate numerics"),
+                                                 (signal.SIGTERM, 143, "shape grid")])
 def test_stop_promptly_and_leave_no_manifest(tiny_models, tmp_path, signum, code, stage):
     out = tmp_path / "out"
     process = start(["convert", str(tiny_models["gpt2"]), "--out", str(out)], cwd=tmp_path)
@@ -55,3 +56,22 @@ def test_stop_promptly_and_leave_no_manifest(tiny_models, tmp_path, signum, code
     time.sleep(1)
     alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     assert not alive, [" ".join(c.cmdline()[:4]) for c in alive]
+
+
+def test_sigterm_is_not_swallowed_by_a_broad_except():
+    """Stages catch ``Exception`` to fail one target or one grid point; SIGTERM must pass through them all
+    (it once landed in the shape grid, was recorded as a failing grid point, and the run finished)."""
+    import os
+
+    from exporter.api import _signals
+    from exporter.errors import Interrupted
+
+    with pytest.raises(Interrupted) as caught:
+        with _signals():
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)
+            except Exception:  # what a stage's failure handling does
+                pass
+            raise AssertionError("the run went on after SIGTERM")
+    assert caught.value.exit_code == 143

@@ -42,21 +42,33 @@ class ConvertResult:
 
 
 def resolve_recipe(recipe: str | Path | Recipe, factory: str | None = None, dims: tuple[str, ...] = (),
-                   tensors: tuple[str, ...] = ()) -> Recipe:
-    """The recipe (a name, a path or a Recipe), with the command line's factory and input declarations."""
+                   tensors: tuple[str, ...] = (), rewrite: bool = True, targets: tuple[str, ...] = ()) -> Recipe:
+    """The recipe (a name, a path or a Recipe), with the command line's factory, input declarations,
+    ``--target`` selection and ``--no-rewrite`` (``rewrite=False``; True keeps the recipe's own setting)."""
     loaded = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
-    return loaded.with_factory(factory).with_inputs(dims, tensors)
+    resolved = loaded.with_factory(factory).with_inputs(dims, tensors).with_targets(targets)
+    return resolved if rewrite else resolved.with_rewrite(False)
 
 
 def default_out(checkpoint: str | Path, recipe: Recipe) -> Path:
-    return Path("artifacts") / model_name(Path(checkpoint)) / recipe.name
+    suffix = "" if recipe.runtime.rewrite_attention else "-no-rewrite"
+    return Path("artifacts") / model_name(Path(checkpoint)) / f"{recipe.name}{suffix}"
+
+
+class _Terminated(BaseException):
+    """SIGTERM in flight: a BaseException, like KeyboardInterrupt, so no ``except Exception`` on the way
+    (a target's failure handling, the shape grid's) can swallow it and let the run carry on."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
 
 
 @contextlib.contextmanager
 def _signals():
-    """Turn SIGTERM into an Interrupted exception, like SIGINT's KeyboardInterrupt."""
+    """Turn SIGTERM and SIGINT into an Interrupted error once they have unwound the whole run."""
     def on_term(signum, frame):
-        raise Interrupted(signum)
+        raise _Terminated(signum)
 
     try:
         previous = signal.signal(signal.SIGTERM, on_term)
@@ -67,6 +79,8 @@ def _signals():
         yield
     except KeyboardInterrupt:
         raise Interrupted(signal.SIGINT) from None
+    except _Terminated as exc:
+        raise Interrupted(exc.signum) from None
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -74,15 +88,18 @@ def _signals():
 def convert(checkpoint: str | Path, recipe: str | Path | Recipe = "cpu-fp32", out: str | Path | None = None, *,
             model: str | None = None, inputs: str | Path | None = None, allow_drift: bool = False,
             allow_pickle: bool = False, overwrite: bool = False, progress: Progress | None = None,
-            dims: tuple[str, ...] = (), tensors: tuple[str, ...] = ()) -> ConvertResult:
+            dims: tuple[str, ...] = (), tensors: tuple[str, ...] = (), rewrite: bool = True,
+            targets: tuple[str, ...] = ()) -> ConvertResult:
     """Run the whole pipeline on ``checkpoint`` and return the report; files land in ``out``.
 
-    ``dims`` and ``tensors`` declare inputs as the command line's ``--dim`` and ``--input`` do.
+    ``dims`` and ``tensors`` declare inputs as the command line's ``--dim`` and ``--input`` do;
+    ``rewrite=False`` is ``--no-rewrite`` (attention audited, left as written: to measure the rewrite);
+    ``targets`` is ``--target``, a subset of the recipe's targets.
     Raises ExporterError for user mistakes (before anything is written) and for interrupts; target
     and numerics failures are reported in the result (``exit_code``), not raised.
     """
     progress = progress or Progress(enabled=False)
-    recipe_obj = resolve_recipe(recipe, model, dims, tensors)
+    recipe_obj = resolve_recipe(recipe, model, dims, tensors, rewrite, targets)
     check_machine(recipe_obj)
     checkpoint = Path(checkpoint)
     if not checkpoint.exists():

@@ -54,13 +54,17 @@ def cli() -> None:
               help="Declare an input dim (dynamic when MIN < MAX); repeatable.")
 @click.option("--input", "tensors", multiple=True, metavar="NAME:DTYPE:SHAPE[:LOW:HIGH]",
               help="Declare a model input, SHAPE as comma-separated sizes or dim names; repeatable.")
+@click.option("--target", "-t", "targets", multiple=True, metavar="NAME",
+              help="Build only this target (exported_program, aoti, onnx, compile, tensorrt); repeatable.")
+@click.option("--no-rewrite", is_flag=True,
+              help="Leave attention as written (sites still audited): the baseline for what the rewrite buys.")
 @click.option("--allow-drift", is_flag=True, help="Report numerics failures as warnings (recorded in the report).")
 @click.option("--allow-pickle", is_flag=True, help="Load a pickle checkpoint with torch.load(weights_only=True).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
 @click.option("--json", "as_json", is_flag=True, help="Print report.json to stdout.")
-def convert(checkpoint, recipe, out, factory, inputs_file, dims, tensors, allow_drift, allow_pickle, overwrite, quiet,
-            as_json):
+def convert(checkpoint, recipe, out, factory, inputs_file, dims, tensors, targets, no_rewrite, allow_drift,
+            allow_pickle, overwrite, quiet, as_json):
     """Load CHECKPOINT, rewrite attention to SDPA, export, validate numerics, benchmark and report."""
     from .api import convert as run_convert
     from .progress import Progress
@@ -68,7 +72,7 @@ def convert(checkpoint, recipe, out, factory, inputs_file, dims, tensors, allow_
     progress = Progress(enabled=not quiet)
     result = run_convert(checkpoint, recipe, out, model=factory, inputs=inputs_file, allow_drift=allow_drift,
                          allow_pickle=allow_pickle, overwrite=overwrite, progress=progress, dims=dims,
-                         tensors=tensors)
+                         tensors=tensors, rewrite=not no_rewrite, targets=targets)
     if as_json:
         click.echo(json.dumps(result.report, indent=2, default=str))
     else:

@@ -11,19 +11,22 @@ are classified:
 Names and where they were checked:
 
 - ATen ops ``aten::_scaled_dot_product_flash_attention_for_cpu`` (CPU flash) and
-  ``aten::_scaled_dot_product_attention_math`` (math): seen on the CPU with torch 2.13.
-  The CUDA ones (``…_flash_attention``, ``…_efficient_attention``, ``…_cudnn_attention``)
-  follow the same naming in ``native_functions.yaml`` but are **unverified on a GPU here**.
+  ``aten::_scaled_dot_product_attention_math`` (math): seen on the CPU with torch 2.13;
+  ``aten::_scaled_dot_product_cudnn_attention``: seen on an H200 with torch 2.11. The other CUDA
+  ones (``…_flash_attention``, ``…_efficient_attention``) follow the same naming in
+  ``native_functions.yaml`` but were not seen on a GPU here.
 - AOTInductor packages call kernels through C shims, which the profiler records only when
   the package was compiled with ``inductor_configs={"cpp.enable_kernel_profile": True}``
   (e.g. ``aoti_torch_cpu__scaled_dot_product_flash_attention_for_cpu``: seen on the CPU).
   Without it an AOTI package on the CPU shows no SDPA record, and the result says so
   (``source: "none"``) rather than guessing.
-- GPU kernel names, used only when no ATen or shim record exists (**unverified on a GPU
-  here**): FlashAttention-2 as vendored by PyTorch contains ``flash_fwd`` / ``pytorch_flash``;
-  memory-efficient attention ``fmha_cutlassF`` (or ``mem_efficient``, ``attention_kernel``);
-  cuDNN's fused attention contains ``cudnn`` together with ``sdpa``, ``fmha``, ``fprop`` or
-  ``flash``.
+- GPU kernel names, used only when no ATen or shim record exists (an AOTInductor package on the
+  GPU): cuDNN's fused attention contains ``cudnn`` together with ``sdpa``, ``fmha``, ``fprop`` or
+  ``flash`` (seen on an H200: ``cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_…``);
+  not seen here: FlashAttention-2 as vendored by PyTorch (``flash_fwd`` / ``pytorch_flash``) and
+  memory-efficient attention (``fmha_cutlassF``, ``mem_efficient``, ``attention_kernel``).
+- Softmax: an ATen softmax op and the GPU kernel it launches count as one; kernels are counted
+  only where no op was recorded (Inductor's fused ``triton_…_softmax_…`` kernels in a package).
 - onnxruntime is not seen by torch's profiler: its own profiler lists the ONNX ops each
   node ran (``Attention`` vs ``Softmax``); which implementation the ``Attention`` kernel
   chose inside onnxruntime is not recorded there.
@@ -52,7 +55,7 @@ ATEN_SDPA = {
     "_scaled_dot_product_fused_attention_overrideable": "other",
 }
 SHIM = re.compile(r"^aoti_torch_[a-z]+_(_scaled_dot_product_\w+?)(?:_out)?$")
-DEVICE_KERNELS = (  # (backend, all of these substrings, lower-case); unverified on a GPU here
+DEVICE_KERNELS = (  # (backend, all of these substrings, lower-case); only the cudnn names were seen on a GPU here
     ("flash", ("flash_fwd",)),
     ("flash", ("pytorch_flash",)),
     ("efficient", ("fmha_cutlassf",)),
@@ -98,7 +101,7 @@ def classify(events: Iterable[tuple[str, bool]], device: str = "cpu") -> dict[st
     shims: collections.Counter = collections.Counter()
     kernels: collections.Counter = collections.Counter()
     evidence: collections.Counter = collections.Counter()
-    softmax = 0
+    softmax_ops = softmax_kernels = 0  # an ATen softmax op and the GPU kernel it launches are one softmax
     for name, on_device in events:
         backend = None if on_device else _aten_backend(name)
         if backend is not None:
@@ -108,8 +111,12 @@ def classify(events: Iterable[tuple[str, bool]], device: str = "cpu") -> dict[st
             kernels[backend] += 1
             evidence[name] += 1
         if _is_softmax(name, on_device):
-            softmax += 1
+            if name.startswith(("aten::", "aoti_torch_")):
+                softmax_ops += 1
+            else:
+                softmax_kernels += 1
             evidence[name] += 1
+    softmax = softmax_ops or softmax_kernels
     for source, counts in (("aten ops", ops), ("aoti shims", shims), ("device kernels", kernels)):
         if counts:
             break
@@ -122,7 +129,7 @@ def classify(events: Iterable[tuple[str, bool]], device: str = "cpu") -> dict[st
         result["note"] = ("no SDPA kernel recorded" + (f"; {softmax} explicit softmax kernel(s): attention ran unfused"
                                                         if softmax else ""))
     elif source == "device kernels":
-        result["note"] = "classified from GPU kernel names (unverified naming); no ATen record of the SDPA op"
+        result["note"] = "classified from GPU kernel names; no ATen record of the SDPA op"
     return result
 
 

@@ -13,8 +13,9 @@ and so the bug). Instead:
    candidate's counterpart module and once through the original module (the
    eager baseline). The counterpart's output must meet the same rule as the
    model's outputs: ``rmse(counterpart, ref64) <= k * rmse(original in dtype,
-   ref64) + atol``, and no NaN/Inf where the reference is finite. The first
-   call that fails is the divergent module.
+   ref64) + atol``, with ``atol`` scaled to the module's own output magnitude
+   (:class:`ModuleFloor`), and no NaN/Inf where the reference is finite. The
+   first call that fails is the divergent module.
 3. **Input error.** For that module, the error already present in its inputs is
    measured in an end-to-end run of the replayed model in the candidate's dtype
    (its inputs against the reference's): small when the divergence starts
@@ -163,7 +164,35 @@ def _positions(tree) -> list[Any]:
     return [None]
 
 
-def compare(ref_tree, base_tree, cand_tree, k: float, atol: float) -> dict[str, Any] | None:
+class ModuleFloor:
+    """The ``atol`` of a module's check, in that module's own units.
+
+    The recipe's ``atol`` is in the units of the model's outputs. A module's output can be far smaller
+    (an attention's output before the residual) or larger, so its floor is ``atol`` scaled by the RMS of its
+    reference output over the RMS of the model's reference outputs. With an unscaled floor a defect whose
+    absolute error stays under ``atol`` where it happens would only be seen downstream, after a norm
+    layer has amplified it, and the wrong module would be named.
+    """
+
+    def __init__(self, atol: float, outputs: list[torch.Tensor]):
+        self.atol = atol
+        floats = [t.detach().reshape(-1).to(torch.float64) for t in outputs
+                  if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+        self.scale = float(torch.cat(floats).square().mean().sqrt()) if floats else 0.0
+
+    def __call__(self, ref: torch.Tensor) -> float:
+        if not self.scale > 0 or not ref.numel():
+            return self.atol
+        finite = ref[torch.isfinite(ref)].to(torch.float64)
+        rms = float(finite.square().mean().sqrt()) if finite.numel() else 0.0
+        return self.atol * rms / self.scale
+
+
+def floor_for(atol: float | Callable[[torch.Tensor], float], ref: torch.Tensor) -> float:
+    return atol(ref) if callable(atol) else atol
+
+
+def compare(ref_tree, base_tree, cand_tree, k: float, atol) -> dict[str, Any] | None:
     """The module-level verdict over the floating outputs both sides produced: each must pass; the worst is reported.
 
     None when there is nothing to compare (no floating output, or a structure that does not line up).
@@ -171,7 +200,8 @@ def compare(ref_tree, base_tree, cand_tree, k: float, atol: float) -> dict[str, 
     ref, base, cand = _positions(ref_tree), _positions(base_tree), _positions(cand_tree)
     if len(cand) != len(ref) or len(base) != len(ref):
         return None
-    checks = [check_output(f"output {i}", 0, r, b, c, k, atol) for i, (r, b, c) in enumerate(zip(ref, base, cand))
+    checks = [check_output(f"output {i}", 0, r, b, c, k, floor_for(atol, r))
+              for i, (r, b, c) in enumerate(zip(ref, base, cand))
               if all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in (r, b, c))]
     return _verdict(checks) if checks else None
 
@@ -206,9 +236,10 @@ def hooks_on(root: nn.Module, paths: set[str] | None, on_pre: Callable | None, o
             handle.remove()
 
 
-def record_reference(original: IOModule, sample: list[torch.Tensor], max_bytes: int | None = None
-                     ) -> tuple[list[Call], str]:
-    """Every submodule call of ``original`` in float64 on the CPU, in the order the calls finish."""
+def record_reference(original: IOModule, sample: list[torch.Tensor], max_bytes: int | None = None,
+                     outputs: list | None = None) -> tuple[list[Call], str]:
+    """Every submodule call of ``original`` in float64 on the CPU, in the order the calls finish
+    (and the model's own outputs appended to ``outputs`` when a list is given)."""
     limit = memory_limit() if max_bytes is None else max_bytes
     calls: list[Call] = []
     pending: dict[str, list[tuple]] = {}
@@ -238,7 +269,9 @@ def record_reference(original: IOModule, sample: list[torch.Tensor], max_bytes: 
     args64 = [(t.to(torch.float64) if t.is_floating_point() else t).cpu() for t in sample]
     with cast_in_place(original, torch.float64, "cpu"), torch.inference_mode():
         with hooks_on(original.model, None, pre, post), _context(original, "auto", "cpu"):
-            original(*args64)
+            result = original(*args64)
+    if outputs is not None:
+        outputs.extend(_floats(result))
     return calls, stopped[0]
 
 
@@ -269,7 +302,7 @@ def _inputs_in_run(io: IOModule, sample: list[torch.Tensor], call: Call, device:
 
 
 def replay(calls: list[Call], original: IOModule, counterpart: IOModule, sample: list[torch.Tensor], device: str,
-           dtype: torch.dtype, k: float, atol: float, backend: str = "auto") -> dict[str, Any]:
+           dtype: torch.dtype, k: float, atol, backend: str = "auto") -> dict[str, Any]:
     """Replay each recorded call through ``counterpart`` and ``original`` in ``dtype``; stop at the first failure."""
     checked = 0
     found = None
@@ -326,12 +359,14 @@ def locate(original: IOModule, counterpart: IOModule, sample: list[torch.Tensor]
     from .inputs import DTYPES
 
     torch_dtype = DTYPES[dtype]
-    calls, note = record_reference(original, sample, max_bytes)
+    outputs: list[torch.Tensor] = []
+    calls, note = record_reference(original, sample, max_bytes, outputs)
+    floor = ModuleFloor(atol, outputs)
     result: dict[str, Any] = {"device": device, "dtype": dtype, "module": None, "found_by": None,
                               "replay": None, "graph": None, "notes": [note] if note else []}
     try:
         result["replay"] = {"replayed": label, **replay(calls, original, counterpart, sample, device, torch_dtype,
-                                                        k, atol, backend)}
+                                                        k, floor, backend)}
     except Exception as exc:  # a module that cannot be called on its own: say so, keep the graph method
         result["notes"].append(f"replay failed: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
     if program is not None:
@@ -339,7 +374,7 @@ def locate(original: IOModule, counterpart: IOModule, sample: list[torch.Tensor]
 
         try:
             result["graph"] = {"replayed": program_label, **in_program(program, calls, original, sample, device,
-                                                                       torch_dtype, k, atol, backend)}
+                                                                       torch_dtype, k, floor, backend)}
         except Exception as exc:
             result["notes"].append(f"unflattening the exported program failed: {type(exc).__name__}: "
                                    f"{' '.join(str(exc).split())[:300]}")
@@ -373,4 +408,4 @@ def summary(result: dict[str, Any], failing: bool = True) -> str:
     return text
 
 
-__all__ = ["Call", "record_reference", "replay", "locate", "compare", "summary"]
+__all__ = ["Call", "ModuleFloor", "record_reference", "replay", "locate", "compare", "summary"]

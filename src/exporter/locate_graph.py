@@ -14,14 +14,14 @@ from typing import Any
 import torch
 
 from .attention_backend import backend_context
-from .locate import Call, _context, _error, _finding, _floats, _pair_by_shape, _paired, _verdict, hooks_on
+from .locate import Call, _context, _error, _finding, _floats, _pair_by_shape, _paired, _verdict, floor_for, hooks_on
 from .modelio import IOModule
 from .numerics import check_output
 from .reference import cast_in_place
 
 
 def in_program(program, calls: list[Call], original: IOModule, sample: list[torch.Tensor], device: str,
-               dtype: torch.dtype, k: float, atol: float, backend: str = "auto", prefix: str = "model.") -> dict:
+               dtype: torch.dtype, k: float, atol, backend: str = "auto", prefix: str = "model.") -> dict:
     """Run ``program`` unflattened, end to end, and compare each submodule's output with the reference's.
 
     ``prefix`` maps a path inside the model to the program's (it was exported from the IOModule, whose
@@ -63,7 +63,8 @@ def in_program(program, calls: list[Call], original: IOModule, sample: list[torc
         pairs = _pair_by_shape(ref, got[1])
         if not pairs:
             return None
-        return _verdict([check_output(f"output {i}", 0, ref[i], base[1][i], g, k, atol) for i, g in pairs])
+        return _verdict([check_output(f"output {i}", 0, ref[i], base[1][i], g, k, floor_for(atol, ref[i]))
+                         for i, g in pairs])
 
     def inputs_clean(call: Call) -> bool:
         ref = _floats((call.args, call.kwargs))
@@ -73,7 +74,7 @@ def in_program(program, calls: list[Call], original: IOModule, sample: list[torc
             return True  # nothing to tell: take the module at its word
         r, g = _paired(ref, pairs)
         b = torch.cat([base[i].detach().reshape(-1).to("cpu", torch.float64) for i, _ in pairs])
-        return check_output("inputs", 0, r, b, g, k, atol).passed
+        return check_output("inputs", 0, r, b, g, k, floor_for(atol, r)).passed
 
     checked = 0
     for position, call in enumerate(calls):

@@ -24,6 +24,7 @@ from .inputs import DTYPES, plan_inputs
 from .modelio import Signature, discover_outputs
 from .outdir import os_problem
 from .prepare import original_module
+from .backend_choice import why_not
 from .rewrite import rewrite_attention
 from .progress import Progress
 from .recipe import Recipe
@@ -121,7 +122,7 @@ class ConvertRun:
             save_tensors(self.staging / "reference" / "outputs.safetensors", reference.outputs, signature.outputs)
 
         with progress.stage("rewrite attention"):
-            rewritten, audit = rewrite_attention(original, list(samples[0]))
+            rewritten, audit = rewrite_attention(original, list(samples[0]), apply=recipe.runtime.rewrite_attention)
             progress.info(f"attention sites: {audit.found} found, {audit.count('rewritten')} rewritten, "
                           f"{audit.count('skipped')} skipped")
 
@@ -129,7 +130,7 @@ class ConvertRun:
         rewritten.to(device=device, dtype=DTYPES[dtype])  # a rewritten graph may hold its own buffers
         example = [(t.to(DTYPES[dtype]) if t.is_floating_point() else t).to(device) for t in samples[0]]
         source = ModelSource(str(self.checkpoint.resolve()), recipe.model.factory, self.allow_pickle,
-                             signature.inputs, signature.outputs, str(inputs_path))
+                             signature.inputs, signature.outputs, str(inputs_path), recipe.runtime.rewrite_attention)
         ctx = BuildContext(rewritten, plan, recipe, self.staging, source, example)
         built = build_targets(ctx, progress, self.log)
         stop_compile_workers()
@@ -140,6 +141,8 @@ class ConvertRun:
             validation.set_baseline(device, dtype, eager.run(samples))
             rewritten_runner = validation.local("rewritten", rewritten, device, dtype)
             rewritten_result = VariantResult("rewritten", "rewritten", device=device, dtype=dtype)
+            if not recipe.runtime.rewrite_attention:
+                rewritten_result.notes.append("rewrite off: this is the model as written, the same module as eager")
             validation.judge(rewritten_result, rewritten_runner.run(samples))
             live: dict[str, Any] = {"eager": eager, "rewritten": rewritten_runner}
             for result, spec in built:
@@ -151,21 +154,27 @@ class ConvertRun:
         results = [rewritten_result] + [r for r, _ in built]
         self._grid_and_locate(validation, results, live, plan, ctx.program, rewritten)
         eager_bench = self._benchmark(live, samples[0], results, reference.flops, plan)
-        eager_kernels = self._kernels(live, samples[0], results)
+        eager_kernels, choice = self._kernels(live, samples[0], results)
         validation.close()
 
         return report_mod.assemble(
             recipe=recipe, checkpoint=self.checkpoint, loaded=loaded, plan=plan, signature=signature,
             reference=reference, audit=audit, results=results, eager_bench=eager_bench,
             allow_drift=self.allow_drift, warnings=self.warnings, timings=progress.timings,
-            staging=self.staging, total_s=time.perf_counter() - t_start, grid=self.grid, eager_kernels=eager_kernels)
+            staging=self.staging, total_s=time.perf_counter() - t_start, grid=self.grid, eager_kernels=eager_kernels,
+            backend_choice=choice)
 
-    def _kernels(self, live: dict[str, Any], sample, results: list[VariantResult]) -> dict[str, Any] | None:
-        """Which attention kernels each variant actually ran (one profiled call each); the eager baseline's back."""
+    def _kernels(self, live: dict[str, Any], sample, results: list[VariantResult]):
+        """Which attention kernels each variant actually ran (one profiled call each), and why: PyTorch's own
+        verdict on each SDPA call of the rewritten model (``backend_choice``). Returns (eager's kernels, verdict)."""
         by_name = {r.name: r for r in results}
         preferred = self.recipe.runtime.attention_backend
-        eager = None
+        eager, choice = None, None
         with self.progress.stage("attention kernels"):
+            try:
+                choice = live["rewritten"].call("sdpa_choice", sample)
+            except Exception as exc:  # the audit explains; it never fails a variant
+                choice = {"error": first_line(exc), "calls": []}
             for name, runner in live.items():
                 try:
                     found = runner.call("kernels", sample)
@@ -180,8 +189,13 @@ class ConvertRun:
                 result.info["kernels"] = found
                 ran = set(found.get("backends") or {})
                 if preferred != "auto" and ran and preferred not in ran:
-                    result.notes.append(f"attention backend: {preferred} was preferred, {', '.join(sorted(ran))} ran")
-        return eager
+                    why = why_not(choice, preferred)
+                    result.notes.append(f"attention backend: {preferred} was preferred, {', '.join(sorted(ran))} ran"
+                                        + (f" ({why})" if why else ""))
+                elif "math" in ran:
+                    why = "; ".join(f"{b}: {w}" for b in ("flash", "cudnn", "efficient") if (w := why_not(choice, b)))
+                    result.notes.append("attention ran on the math backend" + (f" ({why})" if why else ""))
+        return eager, choice
 
     def _grid_and_locate(self, validation: Validation, results: list[VariantResult], live: dict[str, Any], plan,
                          program, rewritten) -> None:

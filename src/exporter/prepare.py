@@ -34,7 +34,7 @@ def from_source(source: ModelSource) -> Prepared:
     original = original_module(loaded, signature)
     stored = load_file(source.example_file)
     example = [stored[f"0.{name}"] for name in source.inputs]
-    rewritten, audit = rewrite_attention(original, example)
+    rewritten, audit = rewrite_attention(original, example, apply=source.rewrite)
     return Prepared(loaded, original, rewritten, audit)
 
 

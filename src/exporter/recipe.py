@@ -75,6 +75,7 @@ class RuntimeSection:
     device: str = "cpu"
     dtype: str = "float32"
     attention_backend: str = "auto"
+    rewrite_attention: bool = True  # false: attention runs as written (sites still audited), e.g. to measure the rewrite
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,26 @@ class Recipe:
             return self
         _check_factory(factory)
         return dataclasses.replace(self, model=dataclasses.replace(self.model, factory=factory))
+
+    def with_targets(self, targets: tuple[str, ...] = ()) -> "Recipe":
+        """``--target NAME`` (repeatable): build only these targets, in the recipe's order of stages."""
+        if not targets:
+            return self
+        problems = _Problems("given with --target", f"choose from {', '.join(TARGETS)}")
+        for name in targets:
+            _choice(name, TARGETS, "--target", problems)
+        if len(set(targets)) != len(targets):
+            problems.add("--target", "a target is given twice")
+        if "compile" in targets and not self.targets.compile_modes:
+            problems.add("--target", "'compile' needs targets.compile_modes in the recipe")
+        problems.raise_if_any()
+        build = tuple(t for t in TARGETS if t in targets)
+        return dataclasses.replace(self, targets=dataclasses.replace(self.targets, build=build))
+
+    def with_rewrite(self, enabled: bool) -> "Recipe":
+        if enabled == self.runtime.rewrite_attention:
+            return self
+        return dataclasses.replace(self, runtime=dataclasses.replace(self.runtime, rewrite_attention=enabled))
 
     def with_inputs(self, dims: tuple[str, ...] = (), tensors: tuple[str, ...] = ()) -> "Recipe":
         """Inputs declared on the command line: ``--dim NAME=SIZE[:MIN:MAX]`` (overrides a recipe dim of
@@ -360,6 +381,7 @@ def parse_recipe(data: dict, name: str, source: str) -> Recipe:
         device=_get(t, "device", str, d.device, "runtime", p),
         dtype=_get(t, "dtype", str, d.dtype, "runtime", p),
         attention_backend=_get(t, "attention_backend", str, d.attention_backend, "runtime", p),
+        rewrite_attention=_get(t, "rewrite_attention", bool, d.rewrite_attention, "runtime", p),
     )
     _choice(runtime.device, DEVICES, "runtime.device", p)
     _choice(runtime.dtype, DTYPES, "runtime.dtype", p)

@@ -64,7 +64,7 @@ def _exit_code(results: list[VariantResult], allow_drift: bool) -> tuple[int, li
 
 
 def assemble(*, recipe, checkpoint, loaded, plan, signature, reference, audit, results, eager_bench, allow_drift,
-             warnings, timings, staging, total_s, grid=None, eager_kernels=None) -> dict[str, Any]:
+             warnings, timings, staging, total_s, grid=None, eager_kernels=None, backend_choice=None) -> dict[str, Any]:
     exit_code, problems = _exit_code(results, allow_drift)
     model = loaded.model
     params = sum(p.numel() for p in model.parameters())
@@ -95,7 +95,7 @@ def assemble(*, recipe, checkpoint, loaded, plan, signature, reference, audit, r
         },
         "recipe": {"name": recipe.name, "source": recipe.source, "device": recipe.runtime.device,
                    "dtype": recipe.runtime.dtype, "attention_backend": recipe.runtime.attention_backend,
-                   "targets": list(recipe.targets.build)},
+                   "rewrite_attention": recipe.runtime.rewrite_attention, "targets": list(recipe.targets.build)},
         "inputs": {
             "source": plan.source,
             "seed": plan.seed,
@@ -115,7 +115,7 @@ def assemble(*, recipe, checkpoint, loaded, plan, signature, reference, audit, r
                       "k": recipe.numerics.k, "k_default": "2 for float32, 3 for bfloat16/float16",
                       "atol": recipe.numerics.atol, "grid": recipe.numerics.grid,
                       "grid_budget": recipe.numerics.grid_budget, "locate": recipe.numerics.locate},
-        "attention": audit.to_dict(),
+        "attention": {**audit.to_dict(), "backend_choice": backend_choice},
         "baseline": {"name": "eager", "device": recipe.runtime.device, "dtype": recipe.runtime.dtype,
                      "kernels": eager_kernels,
                      "bench": eager_bench},
@@ -166,7 +166,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         + (f" (seed {r['inputs']['seed']})" if r['inputs']['seed'] is not None else "")
         + ", shapes " + ", ".join(f"`{k}` {v}" for k, v in r["inputs"]["shapes"].items()),
         f"- Attention: {r['attention']['found']} site(s) found, {r['attention']['rewritten']} rewritten to SDPA, "
-        f"{r['attention']['skipped']} skipped",
+        f"{r['attention']['skipped']} skipped"
+        + ("" if r["recipe"].get("rewrite_attention", True) else " (rewrite off: attention runs as written)"),
         f"- Reference: original model in {r['reference']['dtype']} on the CPU; tolerance "
         f"`{r['tolerance']['rule']}`",
         "",
@@ -176,21 +177,21 @@ def render_markdown(report: dict[str, Any]) -> str:
     ]
     base = r["baseline"]["bench"] or {}
     lines.append(f"| eager (baseline) | — | — | {_ms(base.get('median_ms'))} | {_ms(base.get('p90_ms'))} | "
-                 f"{_ms(base.get('p99_ms'))} | 1.00× | {_tf(base)} | — | — | {_kernels(r['baseline'].get('kernels'))} |")
+                 f"{_ms(base.get('p99_ms'))} | 1.00× | {_tf(base)} | — | — | {kernel_summary(r['baseline'].get('kernels'))} |")
     for v in [r["rewritten"]] + r["artifacts"]:
         b = v["bench"] or {}
         size = f"{v['size_bytes'] / 2**20:.1f} MiB" if v.get("size_bytes") else "—"
         build = f"{v['build_s']:.1f}" if v.get("build_s") is not None else "—"
         lines.append(f"| {v['name']} | {_verdict(v)} | {_err(v)} | {_ms(b.get('median_ms'))} | {_ms(b.get('p90_ms'))} "
                      f"| {_ms(b.get('p99_ms'))} | {_x(b.get('speedup_vs_eager'))} | {_tf(b)} | {build} | {size} "
-                     f"| {_kernels((v.get('info') or {}).get('kernels'))} |")
+                     f"| {kernel_summary((v.get('info') or {}).get('kernels'))} |")
     notes = [(v["name"], v["error"]) for v in [r["rewritten"]] + r["artifacts"] if v.get("error")]
     notes += [(v["name"], n) for v in [r["rewritten"]] + r["artifacts"] for n in v.get("notes", [])]
     if notes or r["warnings"]:
         lines += ["", "## Notes", ""]
         lines += [f"- **{name}**: {text}" for name, text in notes]
         lines += [f"- warning: {w}" for w in r["warnings"]]
-    lines += _grid_lines(r) + _locate_lines(r)
+    lines += _grid_lines(r) + _locate_lines(r) + _choice_lines(r)
     if r["attention"]["sites"]:
         lines += ["", "## Attention sites", "", "| location | kind | status | causal | masked | GQA | head dim | reason |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -238,7 +239,32 @@ def _locate_lines(r: dict[str, Any]) -> list[str]:
     return (["", "## Divergence localisation", ""] + lines) if lines else []
 
 
-def _kernels(found: dict | None) -> str:
+def _choice_lines(r: dict[str, Any]) -> list[str]:
+    """PyTorch's verdict on each distinct SDPA call: the backend it picks and why the others cannot run."""
+    choice = r["attention"].get("backend_choice") or {}
+    if choice.get("error"):
+        return ["", "## SDPA backend choice", "", f"Not determined: {choice['error']}"]
+    if not choice.get("calls"):
+        return []
+    lines = ["", "## SDPA backend choice", "",
+             f"Preference `{choice['preference']}`. Per distinct SDPA call of the rewritten model, the backend "
+             "PyTorch picks and, for each fused backend it cannot use, its own reason "
+             "(`torch.backends.cuda.can_use_*` in debug mode).", "",
+             "| q / k / v | mask | causal | GQA | calls | picked | flash | cuDNN | efficient |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for c in choice["calls"]:
+        cells = []
+        for name in ("flash", "cudnn", "efficient"):
+            verdict = c["backends"][name]
+            cells.append("usable" if verdict["usable"] else "no: " + ("; ".join(verdict["reasons"]) or "no reason given")
+                         .replace("|", "/"))
+        shapes = " / ".join(dict.fromkeys((c["query"], c["key"], c["value"])))
+        lines.append(f"| {shapes} | {c['mask']} | {_b(c['is_causal'])} | {_b(c['enable_gqa'])} | {c['calls']} "
+                     f"| **{c['picked']}** | " + " | ".join(cells) + " |")
+    return lines
+
+
+def kernel_summary(found: dict | None) -> str:
     """'flash ×2', 'math ×2, softmax ×2', 'softmax ×12' (unfused), or '—' when nothing was recorded."""
     if not found or found.get("source") in (None, "error"):
         return "—"
@@ -309,4 +335,4 @@ def write_all(staging: Path, report: dict[str, Any], extra: dict[str, Any]) -> N
     write_json(staging / "manifest.json", manifest)
 
 
-__all__ = ["assemble", "render_markdown", "write_all", "file_entry", "REPORT_SCHEMA_VERSION"]
+__all__ = ["assemble", "render_markdown", "write_all", "file_entry", "kernel_summary", "REPORT_SCHEMA_VERSION"]

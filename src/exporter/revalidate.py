@@ -98,7 +98,7 @@ def validate_folder(out_dir: str | Path, *, locate: bool = False, targets: tuple
             plan = plan_inputs(loaded.model, recipe.inputs)
             signature = Signature(tuple(report["inputs"]["names"]), tuple(report["outputs"]))
             original = original_module(loaded, signature)
-            rewritten, _ = rewrite_attention(original, list(samples[0]))
+            rewritten, _ = rewrite_attention(original, list(samples[0]), apply=recipe.runtime.rewrite_attention)
             loaded.model.to(device=device, dtype=DTYPES[dtype])
             rewritten.to(device=device, dtype=DTYPES[dtype])
         validation = Validation(recipe, signature, Reference(reference, "float64", 0), samples, original,

@@ -50,6 +50,7 @@ class ModelSource:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     example_file: str  # safetensors of the reference inputs; sample 0 drives the rewrite's audit run
+    rewrite: bool = True  # the recipe's runtime.rewrite_attention
 
 
 @dataclass(frozen=True)

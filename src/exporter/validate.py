@@ -56,10 +56,12 @@ class Validation:
         self.runners: list[Any] = []
 
     def local(self, name: str, module: torch.nn.Module, device: str, dtype: str) -> LocalRunner:
+        from . import backend_choice
         from .kernels import hook
 
-        runner = LocalRunner(name, Loaded(lambda args: list(module(*args)), device, DTYPES[dtype],
-                                          hooks={"kernels": hook(device)}))
+        hooks = {"kernels": hook(device),
+                 "sdpa_choice": backend_choice.hook(device, self.recipe.runtime.attention_backend)}
+        runner = LocalRunner(name, Loaded(lambda args: list(module(*args)), device, DTYPES[dtype], hooks=hooks))
         self.runners.append(runner)
         return runner
 

@@ -25,13 +25,27 @@ from .audit import ALREADY_SDPA, REWRITTEN, SKIPPED, AttentionAudit, Site
 RULES = (transformers_interface, timm_fused_attention, torch_multihead_attention, softmax_attention_graph)
 
 
-def rewrite_attention(io: IOModule, example: list[torch.Tensor]) -> tuple[IOModule, AttentionAudit]:
+OFF = "rewrite off (recipe runtime.rewrite_attention = false, or --no-rewrite)"
+
+
+def rewrite_attention(io: IOModule, example: list[torch.Tensor], apply: bool = True) -> tuple[IOModule, AttentionAudit]:
+    """The model with every attention it can route through SDPA, and the audit of every site.
+
+    ``apply=False`` audits the same sites and returns ``io`` itself: sites the rules would rewrite are
+    listed as skipped, with the reason, and the model runs its attention as written.
+    """
     audit = AttentionAudit()
     current = io
     for rule in RULES:
         if rule.applies(current):
             current = rule.rewrite(current, example, audit)
-    return current, audit
+    if apply:
+        return current, audit
+    for site in audit.sites:
+        if site.status == REWRITTEN:
+            site.status, site.reason = SKIPPED, OFF
+    audit.notes.append(OFF)
+    return io, audit
 
 
 __all__ = ["rewrite_attention", "RULES", "AttentionAudit", "Site", "REWRITTEN", "SKIPPED", "ALREADY_SDPA"]
