@@ -20,6 +20,17 @@ os.makedirs(OUT, exist_ok=True)
 LOG = open(os.path.join(OUT, "diagnose.log"), "w")
 
 
+class W(torch.nn.Module):
+    """A causal LM called with (input_ids, attention_mask), returning its logits."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def forward(self, input_ids, attention_mask):
+        return self.m(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+
 def log(*parts):
     print(*parts, file=LOG, flush=True)
 
@@ -86,14 +97,6 @@ def export_variants() -> None:
     model = tf.LlamaForCausalLM(cfg).cuda().to(torch.bfloat16).eval()
     model.set_attn_implementation("sdpa")
 
-    class W(torch.nn.Module):
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-
-        def forward(self, input_ids, attention_mask):
-            return self.m(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-
     w = W(model)
     ids = torch.randint(0, 1000, (8, 512), device="cuda")
     mask = torch.ones_like(ids)
@@ -137,14 +140,6 @@ def onnx_attention_on_ort() -> None:
     ids = torch.randint(0, 1000, (2, 32))
     mask = torch.ones_like(ids)
     mask[1, 20:] = 0
-
-    class W(torch.nn.Module):
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-
-        def forward(self, input_ids, attention_mask):
-            return self.m(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
 
     path = os.path.join(tempfile.mkdtemp(), "m.onnx")
     prog = torch.onnx.export(W(model), (ids, mask), dynamo=True, opset_version=23, optimize=False,

@@ -29,6 +29,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .attention_backend import backend_context
+from .rewrite.probe import is_sdpa, sdpa_arguments
 
 CHECKS = ("flash", "efficient", "cudnn")
 _CHOICE = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}  # at::SDPBackend values
@@ -49,16 +50,8 @@ class _SdpaCalls(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if name.split(".")[0] == "scaled_dot_product_attention":
-            names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
-            call = dict(zip(names, args))
-            call.update({k: v for k, v in kwargs.items()})
-            call.setdefault("attn_mask", None)
-            call.setdefault("dropout_p", 0.0)
-            call.setdefault("is_causal", False)
-            call.setdefault("scale", None)
-            call.setdefault("enable_gqa", False)
+        if is_sdpa(func):
+            call = sdpa_arguments(args, kwargs)
             key = (_describe(call["query"]), _describe(call["key"]), _describe(call["value"]),
                    _describe(call["attn_mask"]), bool(call["is_causal"]), bool(call["enable_gqa"]),
                    float(call["dropout_p"]))
@@ -137,7 +130,7 @@ def explain(call_module: Callable[[], Any], device: str, preference: str = "auto
         call_module()
     calls = []
     for key, entry in recorder.calls.items():
-        q, k, v, mask, causal, gqa, dropout = key
+        q, k, v, mask, causal, gqa, _ = key
         verdict = explain_call(entry["args"], preference)
         calls.append({"query": q, "key": k, "value": v, "mask": mask, "is_causal": causal, "enable_gqa": gqa,
                       "calls": entry["count"], **verdict})

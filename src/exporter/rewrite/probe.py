@@ -27,6 +27,18 @@ from ..modelio import IOModule
 PRODUCTS = {"matmul", "__matmul__", "__rmatmul__", "bmm", "baddbmm", "einsum"}
 SOFTMAX = {"softmax", "_softmax", "special_softmax"}
 SDPA = {"scaled_dot_product_attention"}
+SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+
+
+def is_sdpa(func) -> bool:
+    """``F.scaled_dot_product_attention``, or the ATen op (``….default``) a rewritten graph calls."""
+    return getattr(func, "__name__", "").split(".")[0] in SDPA
+
+
+def sdpa_arguments(args: tuple, kwargs: dict) -> dict[str, Any]:
+    """One SDPA call's arguments by name, defaults filled in."""
+    return {**SDPA_DEFAULTS, **dict(zip(SDPA_PARAMETERS, args)), **kwargs}
 
 
 @dataclass
@@ -65,10 +77,10 @@ class _Recorder(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         leaves = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
         path, kind = self._where()
-        if name in SDPA:
-            opts = {"is_causal": bool(kwargs.get("is_causal", args[5] if len(args) > 5 else False)),
-                    "masked": (kwargs.get("attn_mask", args[3] if len(args) > 3 else None)) is not None,
-                    "enable_gqa": bool(kwargs.get("enable_gqa", False))}
+        if is_sdpa(func):
+            call = sdpa_arguments(args, kwargs)
+            opts = {"is_causal": bool(call["is_causal"]), "masked": call["attn_mask"] is not None,
+                    "enable_gqa": bool(call["enable_gqa"])}
             self.observation.sdpa.append(Call(path, kind, name, tuple(tuple(t.shape) for t in leaves[:3]), opts))
             return out
         derived = any(self._is_derived(t) for t in leaves)
