@@ -50,7 +50,8 @@ def compiler_info(cxx: str) -> str:
 
 def main() -> None:
     work = tempfile.mkdtemp()
-    candidates = [c for c in dict.fromkeys([shutil.which("g++"), "/usr/bin/g++", "/opt/gcc/bin/g++"]) if c and os.path.exists(c)]
+    candidates = [c for c in dict.fromkeys([shutil.which("g++"), "/usr/bin/g++", "/opt/gcc/bin/g++"])
+                  if c and os.path.exists(c)]
     for c in candidates:
         print("compiler", c, "->", compiler_info(c))
     import torch  # noqa: F401

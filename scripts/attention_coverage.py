@@ -43,11 +43,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 import attention_zoo as zoo  # noqa: E402
-from exporter.kernels import profile  # noqa: E402
+from exporter.measure.kernels import profile  # noqa: E402
 from exporter.modelio import Signature, discover_outputs, make_io_module  # noqa: E402
 from exporter.rewrite import rewrite_attention  # noqa: E402
+from exporter.rewrite.graph_facts import count_graph_ops  # noqa: E402
 from exporter.rewrite.onnx_attention_masks import expand_attention_masks  # noqa: E402
-from exporter.targets import count_graph_ops  # noqa: E402
 
 TIMM_REASON = ("not run here: timm needs torchvision, and PyPI's torchvision wheel does not load beside "
                "torch 2.13.0+cpu (its C++ ops fail to register)")
@@ -119,11 +119,11 @@ GRAPH_ONLY = "transformers eager, graph rule alone"
 
 
 def graph_rule_only(io, example):
-    from exporter.rewrite import softmax_attention_graph
+    from exporter.rewrite import graph_rule
     from exporter.rewrite.audit import AttentionAudit
 
     audit = AttentionAudit()
-    return softmax_attention_graph.rewrite(io, example, audit), audit
+    return graph_rule.rewrite(io, example, audit), audit
 
 
 def measure(family, spelling, name, model, names, example, other, onnx: bool) -> dict:
@@ -212,8 +212,8 @@ def render(rows: list[dict], onnx: bool, seconds: float) -> str:
         "exported program and onnxruntime on a new batch 3 × seq 17 sample.",
         "",
     ]
-    header = ["family", "spelling", "found", "rewritten", "already SDPA", "skipped", "properties", "SDPA / softmax nodes",
-              "CPU kernels (program)"]
+    header = ["family", "spelling", "found", "rewritten", "already SDPA", "skipped", "properties",
+              "SDPA / softmax nodes", "CPU kernels (program)"]
     header += ["ONNX Attention / Softmax"] if onnx else []
     header += ["max err eager 2×32", "max err program 3×17"] + (["max err ONNX 3×17"] if onnx else [])
 

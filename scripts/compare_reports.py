@@ -31,7 +31,8 @@ def compare(a: dict, b: dict, labels: tuple[str, str]) -> str:
         mx, my = (x.get("bench") or {}).get("median_ms"), (y.get("bench") or {}).get("median_ms")
         ratio = f"{my / mx:.2f}×" if mx and my else "—"
         lines.append(f"| {name} | {x['status']} / {y['status']} | {mx if mx is None else f'{mx:.3f}'} "
-                     f"| {my if my is None else f'{my:.3f}'} | {ratio} | {kernels((x.get('info') or {}).get('kernels'))} "
+                     f"| {my if my is None else f'{my:.3f}'} | {ratio} "
+                     f"| {kernels((x.get('info') or {}).get('kernels'))} "
                      f"| {kernels((y.get('info') or {}).get('kernels'))} |")
     shapes = ", ".join(f"`{k}` {v}" for k, v in a["inputs"]["shapes"].items())
     head = [f"Model `{a['model']['name']}` ({a['model']['parameters']:,} parameters), recipe `{a['recipe']['name']}`, "

@@ -110,13 +110,15 @@ def export_variants() -> None:
         "named_range": lambda: shapes(Dim("batch", min=1, max=64), Dim("sequence", min=16, max=4096)),
         "dim_dynamic": lambda: shapes(Dim.DYNAMIC, Dim.DYNAMIC),
         "dim_auto": lambda: shapes(Dim.AUTO, Dim.AUTO),
-        "seq_static": lambda: {"input_ids": {0: Dim("batch", min=1, max=64)}, "attention_mask": {0: Dim("batch", min=1, max=64)}},
+        "seq_static": lambda: {"input_ids": {0: Dim("batch", min=1, max=64)},
+                               "attention_mask": {0: Dim("batch", min=1, max=64)}},
     }
     for name, make in trials.items():
         try:
             ep = torch.export.export(w, (ids, mask), dynamic_shapes=make(), strict=False)
             ops = {str(n.target) for n in ep.graph.nodes if "attention" in str(n.target)}
-            print(f"export {name}: ok {sorted(ops)} range_constraints={ {str(k): str(v) for k, v in list(ep.range_constraints.items())[:3]} }"[:300])
+            ranges = {str(k): str(v) for k, v in list(ep.range_constraints.items())[:3]}
+            print(f"export {name}: ok {sorted(ops)} range_constraints={ranges}"[:300])
         except Exception as exc:
             print(f"export {name}: FAILED {type(exc).__name__}: {' '.join(str(exc).split())[:250]}")
             log(f"== export {name}\n{traceback.format_exc()}")

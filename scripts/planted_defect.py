@@ -48,11 +48,11 @@ def main() -> int:
     args = parser.parse_args()
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import make_models
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     import exporter
+    import make_models
     from exporter.progress import Progress
 
     args.out.mkdir(parents=True, exist_ok=True)

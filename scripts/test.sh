@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install everything from scratch into .venv, then run the whole test suite (slow tests included).
+# Install everything from scratch into .venv, lint, type-check, then run the whole test suite (slow tests included).
 #   bash scripts/test.sh            # what CI runs
 #   bash scripts/test.sh -m "not slow"   # extra arguments go to pytest
 set -euo pipefail
@@ -9,4 +9,6 @@ python3 -m venv .venv
 python -m pip install -q --upgrade pip
 python -m pip install -q torch==2.13.0   # the CPU build first, so no dependency pulls a CUDA build
 python -m pip install -q -e ".[test]"
+ruff check src tests scripts
+mypy
 python -m pytest "$@"

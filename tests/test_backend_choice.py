@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import attention_zoo as zoo
-from exporter import backend_choice
+from exporter.measure import backend_choice
 from exporter.rewrite import rewrite_attention
 
 

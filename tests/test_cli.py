@@ -72,7 +72,8 @@ def test_inspect_lists_attention_sites(tiny_models):
 def test_help_imports_no_torch_or_backends():
     code = ("import sys; from exporter.cli import main\n"
             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
-            "heavy = [m for m in ('torch', 'onnx', 'onnxruntime', 'transformers', 'torch_tensorrt') if m in sys.modules]\n"
+            "heavy = [m for m in ('torch', 'onnx', 'onnxruntime', 'transformers', 'torch_tensorrt')\n"
+            "         if m in sys.modules]\n"
             "print('HEAVY', heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
     assert "HEAVY []" in out

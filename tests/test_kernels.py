@@ -7,9 +7,11 @@ import pytest
 import torch
 
 import attention_zoo as zoo
-from exporter import kernels
+from exporter.child import Session
+from exporter.measure import kernels
 from exporter.rewrite import rewrite_attention
-from exporter.runners import RemoteRunner, RunnerSpec, Session
+from exporter.runners import RemoteRunner
+from exporter.targets.spec import RunnerSpec
 
 
 def test_names_are_classified_per_backend():

@@ -7,8 +7,9 @@ import copy
 import torch
 import torch.nn as nn
 
-from exporter.locate import compare, locate, record_reference
 from exporter.modelio import Signature, make_io_module
+from exporter.numerics.locate import locate, record_reference
+from exporter.numerics.module_checks import compare
 
 
 class Block(nn.Module):

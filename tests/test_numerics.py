@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from exporter.numerics import check_output, judge, metrics
+from exporter.numerics.tolerance import check_output, judge, metrics
 
 
 def test_metrics_of_identical_and_scaled():

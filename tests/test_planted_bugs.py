@@ -347,8 +347,9 @@ def test_bfloat16_with_a_large_atol_still_names_the_attention(tiny_models, tmp_p
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_planted_defect_is_caught_on_the_gpu_with_h100_bf16(tiny_models, tmp_path):
     recipe = load_recipe("h100-bf16")
+    targets = ("exported_program", "aoti", "onnx")
     recipe = dataclasses.replace(recipe, bench=dataclasses.replace(recipe.bench, warmup=1, rounds=1, iterations=2),
-                                 targets=dataclasses.replace(recipe.targets, build=("exported_program", "aoti", "onnx")))
+                                 targets=dataclasses.replace(recipe.targets, build=targets))
     with planted_sdpa(wrong_scale_in_layer_1):
         result = exporter.convert(tiny_models["llama"], recipe, tmp_path / "llama")
     report = result.report

@@ -118,3 +118,25 @@ def test_builtin_recipes_resolve_after_a_plain_install(tmp_path):
                          env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}).stdout.splitlines()
     assert out[0].startswith(str(target))
     assert "cpu-fp32" in out[1].split(",") and out[2] == "cuda"
+
+
+def test_recipe_json_is_read_back_by_the_same_parser(tmp_path):
+    """``recipe.json`` (what a run writes) is a recipe: the same settings come back, checked like TOML."""
+    import json
+
+    original = load_recipe("h100-bf16").with_inputs(("batch=4:1:8",), ("x:float32:batch,16",)).with_targets(("aoti",))
+    path = tmp_path / "recipe.json"
+    path.write_text(json.dumps(original.to_dict()))
+    again = load_recipe(path)
+    assert dataclasses.replace(again, source="") == dataclasses.replace(original, source="")
+    data = original.to_dict()
+    data["numerics"]["atoll"] = 1.0
+    data["bench"]["warmup"] = "ten"
+    path.write_text(json.dumps(data))
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path)
+    assert "numerics.atoll: unknown key (did you mean 'atol'?)" in str(info.value)
+    assert "bench.warmup: expected int" in str(info.value)
+    path.write_text("{not json")
+    with pytest.raises(RecipeError, match="not valid JSON"):
+        load_recipe(path)

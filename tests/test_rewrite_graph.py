@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import attention_zoo as zoo
-from exporter.reference import cast_in_place
-from exporter.rewrite import REWRITTEN, SKIPPED, rewrite_attention, softmax_attention_graph
+from exporter.numerics.reference import cast_in_place
+from exporter.rewrite import REWRITTEN, SKIPPED, graph_rule, rewrite_attention, softmax_attention_graph
 from exporter.rewrite.graph_capture import TracedModule
-from exporter.targets import count_graph_ops
+from exporter.rewrite.graph_facts import count_graph_ops
 
 HAND_WRITTEN = [c for c in zoo.CASES if c.family == zoo.HAND and c.expect == "rewritten"]
 UNSAFE = [c for c in zoo.CASES if c.family == "unsafe" and c.expect == "skipped"]
@@ -67,7 +67,7 @@ def test_softmax_that_is_not_attention_is_neither_reported_nor_traced(monkeypatc
     def no_tracing(*args, **kwargs):
         raise AssertionError("traced a model with no attention")
 
-    monkeypatch.setattr(softmax_attention_graph, "capture", no_tracing)
+    monkeypatch.setattr(graph_rule, "capture", no_tracing)
     io = zoo.io_module(zoo.build(zoo.BY_NAME["not_attention"]))
     module, audit = rewrite_attention(io, zoo.inputs())
     assert module is io and audit.found == 0
@@ -184,7 +184,7 @@ def test_transformers_eager_attention_through_the_graph_rule():
     mask = torch.ones_like(ids)
     mask[1, 25:] = 0
     audit = AttentionAudit()
-    module = softmax_attention_graph.rewrite(io, [ids, mask], audit)
+    module = graph_rule.rewrite(io, [ids, mask], audit)
     assert audit.count(REWRITTEN) == 2
     assert [s.location for s in audit.sites] == ["layers.0.self_attn", "layers.1.self_attn"]
     assert all(s.grouped_query and s.kv_heads == 2 for s in audit.sites)
@@ -246,7 +246,7 @@ def test_exported_program_runs_on_any_sdpa_kernel(name):
     A mask sliced from a parameter is copied, so it does not require grad and the flash kernel can take it."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from exporter import kernels
+    from exporter.measure import kernels
 
     model, _, module, _ = rewritten(name)
     program = zoo.export_named(module, zoo.inputs()).module()
@@ -290,7 +290,7 @@ def test_failing_to_trace_again_falls_back_to_the_unrewritten_model(monkeypatch)
     def broken(*args, **kwargs):
         raise RuntimeError("no trace at this dtype")
 
-    monkeypatch.setattr(softmax_attention_graph, "capture", broken)
+    monkeypatch.setattr(graph_rule, "capture", broken)
     model.double()
     module.double()
     assert audit.count(REWRITTEN) == 0 and all("tracing again at torch.float64" in s.reason for s in audit.sites)

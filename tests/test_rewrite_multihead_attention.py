@@ -13,8 +13,8 @@ import torch.nn as nn
 
 import attention_zoo as zoo
 from exporter.rewrite import ALREADY_SDPA, REWRITTEN, SKIPPED, rewrite_attention, torch_multihead_attention
+from exporter.rewrite.graph_facts import count_graph_ops
 from exporter.rewrite.onnx_attention_masks import expand_attention_masks
-from exporter.targets import count_graph_ops
 
 
 def rewrite(name):

@@ -12,7 +12,7 @@ import torch
 
 import attention_zoo as zoo
 from exporter.rewrite import REWRITTEN, rewrite_attention, timm_fused_attention
-from exporter.targets import count_graph_ops
+from exporter.rewrite.graph_facts import count_graph_ops
 
 REASON = "timm not importable here (it needs torchvision, whose PyPI wheel does not load beside this torch)"
 

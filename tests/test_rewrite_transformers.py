@@ -8,8 +8,8 @@ import torch
 
 import attention_zoo as zoo
 from exporter.modelio import Signature, make_io_module
-from exporter.rewrite import ALREADY_SDPA, REWRITTEN, rewrite_attention, softmax_attention_graph, transformers_interface
-from exporter.targets import count_graph_ops
+from exporter.rewrite import ALREADY_SDPA, REWRITTEN, graph_rule, rewrite_attention, transformers_interface
+from exporter.rewrite.graph_facts import count_graph_ops
 
 transformers = pytest.importorskip("transformers")
 
@@ -19,7 +19,7 @@ def no_tracing(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the graph rule traced a transformers model the interface rule had rewritten")
 
-    monkeypatch.setattr(softmax_attention_graph, "capture", refuse)
+    monkeypatch.setattr(graph_rule, "capture", refuse)
 
 
 def tiny_gpt2():

@@ -8,11 +8,12 @@ import textwrap
 import pytest
 import torch
 
-from exporter.runners import RemoteRunner, RunnerFailed, RunnerSpec
+from exporter.runners import RemoteRunner
+from exporter.targets.spec import RunnerFailed, RunnerSpec
 
 LOADERS = textwrap.dedent('''
     import ctypes, os, torch
-    from exporter.runners import Loaded
+    from exporter.targets.spec import Loaded
 
     def doubling(spec):
         return Loaded(lambda args: [a * 2 for a in args], "cpu", torch.float32, {"kind": "doubling"})
@@ -27,22 +28,37 @@ LOADERS = textwrap.dedent('''
 
     def raises_on_load(spec):
         raise RuntimeError("cannot open the artifact")
+
+    def load(spec):
+        return globals()[spec.target](spec)
+''')
+
+# The child process imports sitecustomize from its PYTHONPATH at start: it adds the test's targets to the
+# target list there (the library has no plugin path; this is the one place a test reaches into it).
+REGISTER = textwrap.dedent('''
+    import exporter.targets as targets
+    from exporter.targets.spec import Target
+
+    targets.TARGETS = targets.TARGETS + tuple(
+        Target(name, "crashing_loaders", "a test loader")
+        for name in ("doubling", "segfault_on_load", "segfault_on_run", "raises_on_load"))
 ''')
 
 
 @pytest.fixture
 def loaders(tmp_path, monkeypatch):
     (tmp_path / "crashing_loaders.py").write_text(LOADERS)
+    (tmp_path / "sitecustomize.py").write_text(REGISTER)
     monkeypatch.syspath_prepend(str(tmp_path))
     return "crashing_loaders"
 
 
 def spec(target: str) -> RunnerSpec:
-    return RunnerSpec(name=target.split(":")[-1], target=target, device="cpu", dtype="float32")
+    return RunnerSpec(name=target, target=target, device="cpu", dtype="float32")
 
 
 def test_a_healthy_child_runs_and_times(loaders):
-    runner = RemoteRunner(spec(f"{loaders}:doubling"))
+    runner = RemoteRunner(spec("doubling"))
     try:
         x = torch.arange(4.0)
         assert torch.equal(runner.run([[x]])[0][0], x * 2)
@@ -60,7 +76,7 @@ def test_a_healthy_child_runs_and_times(loaders):
 def test_load_failures_become_reasons(loaders, loader, stage, tmp_path):
     log = tmp_path / "child.log"
     with pytest.raises(RunnerFailed) as info:
-        RemoteRunner(spec(f"{loaders}:{loader}"), log=log)
+        RemoteRunner(spec(loader), log=log)
     reason = info.value.reason
     assert reason.startswith(stage)
     if "segfault" in loader:
@@ -70,7 +86,7 @@ def test_load_failures_become_reasons(loaders, loader, stage, tmp_path):
 
 
 def test_segfault_while_running_is_caught(loaders):
-    runner = RemoteRunner(spec(f"{loaders}:segfault_on_run"))
+    runner = RemoteRunner(spec("segfault_on_run"))
     with pytest.raises(RunnerFailed, match="crashed with SIGSEGV"):
         runner.run([[torch.zeros(2)]])
     runner.close()
@@ -78,5 +94,5 @@ def test_segfault_while_running_is_caught(loaders):
 
 def test_the_parent_survives(loaders):
     with pytest.raises(RunnerFailed):
-        RemoteRunner(spec(f"{loaders}:segfault_on_load"))
+        RemoteRunner(spec("segfault_on_load"))
     assert sys.modules["exporter.runners"] is not None  # still here, still running

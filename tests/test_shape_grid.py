@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from exporter.errors import RecipeError
-from exporter.grid import onnx_signature, plan_grid, program_signature
 from exporter.inputs import InputPlan
+from exporter.numerics.grid import onnx_signature, plan_grid, program_signature
 from exporter.recipe import Dim, NumericsSection, TensorSpec, load_recipe, parse_recipe
 
 
@@ -61,15 +61,15 @@ def test_grid_keys_are_checked_in_recipes():
 def test_an_artifact_that_fixed_a_dynamic_dim_is_flagged_and_fails_the_grid(factory_checkpoint, write_recipe,
                                                                             tmp_path):
     from conftest import FACTORY_RECIPE
-
     from exporter.checkpoint import load_model
     from exporter.inputs import plan_inputs
     from exporter.modelio import Signature, discover_outputs
+    from exporter.numerics.reference import run_reference
+    from exporter.numerics.validation import Validation
     from exporter.prepare import original_module
-    from exporter.reference import run_reference
     from exporter.results import FAILED, OK, VariantResult
-    from exporter.runners import RemoteRunner, RunnerSpec
-    from exporter.validate import Validation
+    from exporter.runners import RemoteRunner
+    from exporter.targets.spec import RunnerSpec
 
     path, factory = factory_checkpoint
     recipe = load_recipe(write_recipe(FACTORY_RECIPE.format(targets='["exported_program"]'))).with_factory(factory)

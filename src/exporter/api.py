@@ -18,15 +18,15 @@ from .checkpoint import load_model
 from .environment import check_machine
 from .errors import CheckpointError, ExporterError, Interrupted
 from .inputs import plan_inputs
+from .measure.memory import peak_rss_bytes
 from .modelio import Signature, discover_outputs
 from .outdir import OutputFolder, disk_full, model_name, os_problem
 from .pipeline import ConvertRun
 from .prepare import original_module
-from .rewrite import rewrite_attention
 from .progress import Progress
-from .runners import peak_rss_bytes
 from .quiet import quiet_libraries
 from .recipe import Recipe, load_recipe
+from .rewrite import rewrite_attention
 
 
 @dataclass
@@ -106,12 +106,12 @@ def convert(checkpoint: str | Path, recipe: str | Path | Recipe = "cpu-fp32", ou
         raise CheckpointError(f"checkpoint {checkpoint} does not exist", "check the path")
     final = Path(out) if out is not None else default_out(checkpoint, recipe_obj)
     with _signals(), quiet_libraries(), OutputFolder(final, overwrite=overwrite) as folder:
-        run = ConvertRun(checkpoint, recipe_obj, folder.staging, inputs, allow_drift, allow_pickle, progress)
+        run = ConvertRun(checkpoint, recipe_obj, folder.staged, inputs, allow_drift, allow_pickle, progress)
         try:
             data = run.execute()
             data["memory"] = {"convert_peak_rss_bytes": peak_rss_bytes(),
                               "checkpoint_bytes": data["model"]["checkpoint_bytes"]}
-            report_mod.write_all(folder.staging, data, run.manifest_inputs())
+            report_mod.write_all(folder.staged, data, run.manifest_inputs())
         except ExporterError:
             raise
         except Exception as exc:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
 NAMES = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
 ORDER = ("cudnn", "flash", "efficient", "math")
 
@@ -17,8 +19,6 @@ ORDER = ("cudnn", "flash", "efficient", "math")
 def backend_context(preference: str, device: str):
     if preference == "auto" or not device.startswith("cuda"):
         return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     ordered = [preference] + [b for b in ORDER if b != preference]
     backends = [getattr(SDPBackend, NAMES[b]) for b in ordered]
     try:

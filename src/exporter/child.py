@@ -1,8 +1,139 @@
-"""``python -m exporter.child FD``: the process that loads and runs one variant (see runners.RemoteRunner)."""
+"""``python -m exporter.child FD``: the process that loads and runs one variant (the parent side is
+:class:`exporter.runners.RemoteRunner`).
 
+It receives ``sys.path`` and a :class:`~exporter.targets.spec.RunnerSpec` over a socket, loads the variant
+with its target's ``load`` and answers run, bench, memory, info and hook requests until told to quit.
+:class:`Session` (a loaded variant plus the tensors it is timed on) is shared with the parent's
+in-process runner.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
 import sys
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
 
-from exporter.runners import child_main
+import torch
+
+from .errors import describe
+from .measure.bench import time_calls
+from .measure.memory import peak_memory
+from .quiet import quiet_libraries
+from .targets import load_runner
+from .targets.spec import Loaded, RunnerSpec
+
+
+class Session:
+    """A loaded variant plus the tensors it is timed on; shared by the local and remote runners."""
+
+    def __init__(self, loaded: Loaded):
+        self.loaded = loaded
+        self.bench_args: list[torch.Tensor] | None = None
+
+    def prepare(self, sample: list[torch.Tensor]) -> list[torch.Tensor]:
+        dtype = self.loaded.input_dtype
+        return [(t.to(dtype) if t.is_floating_point() else t).to(self.loaded.device) for t in sample]
+
+    def run(self, samples: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        results = []
+        with torch.inference_mode():
+            for sample in samples:
+                out = self.loaded.call(self.prepare(sample))
+                results.append([t.detach().to("cpu") for t in out])
+        return results
+
+    def set_bench_input(self, sample: list[torch.Tensor]) -> None:
+        self.bench_args = self.prepare(sample)
+        if self.loaded.device.startswith("cuda"):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+
+    def bench(self, count: int) -> list[float]:
+        args = self.bench_args
+        if args is None:
+            raise RuntimeError("bench: set the benchmark input first")
+        call = self.loaded.call
+        with torch.inference_mode():
+            return time_calls(lambda: call(args), count, self.loaded.device)
+
+
+class Channel:
+    """Messages over a socket, pickled by value (torch's multiprocessing pickler would share memory
+    through a resource sharer that only works between multiprocessing's own processes)."""
+
+    def __init__(self, fd: int):
+        self._conn = Connection(fd)
+
+    def send(self, obj: Any) -> None:
+        self._conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def recv(self) -> Any:
+        return pickle.loads(self._conn.recv_bytes())
+
+    def poll(self, timeout: float) -> bool:
+        return self._conn.poll(timeout)
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+def child_main(fd: int) -> None:
+    """Entry point of ``python -m exporter.child FD``: receive sys.path and the spec, then serve."""
+    conn = Channel(fd)
+    path, spec = conn.recv()
+    sys.path[:] = path
+    serve(conn, spec)
+
+
+def serve(conn: Channel, spec: RunnerSpec) -> None:
+    """Load the variant, then answer run/bench/memory requests until the parent says quit."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    quiet = quiet_libraries()
+    quiet.__enter__()  # for the child's whole life
+    try:
+        t0 = time.perf_counter()
+        loaded = load_runner(spec)
+        session = Session(loaded)
+        conn.send(("ready", time.perf_counter() - t0, dict(loaded.info)))
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent as a reason
+        conn.send(("error", describe(exc), traceback.format_exc()))
+        return
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            return
+        command, *args = message
+        reply: Any = None
+        try:
+            if command == "run":
+                reply = session.run(args[0])
+            elif command == "set_bench_input":
+                session.set_bench_input(args[0])
+                reply = None
+            elif command == "bench":
+                reply = session.bench(args[0])
+            elif command == "memory":
+                reply = peak_memory(loaded.device)
+            elif command == "info":
+                reply = dict(loaded.info)
+            elif command == "call":  # a named hook of the loaded variant (e.g. a profiler)
+                reply = loaded.hooks[args[0]](session, *args[1:])
+            elif command == "quit":
+                conn.send(("ok", None))
+                return
+            else:
+                raise ValueError(f"unknown command {command!r}")
+            conn.send(("ok", reply))
+        except BaseException as exc:  # noqa: BLE001
+            conn.send(("error", describe(exc), traceback.format_exc()))
+
 
 if __name__ == "__main__":
     child_main(int(sys.argv[1]))

@@ -6,10 +6,14 @@ import json
 import os
 import sys
 import traceback
+from pathlib import Path
 
 import click
 
-from .errors import EXIT_INTERNAL, EXIT_USAGE, ExporterError
+from .errors import EXIT_INTERNAL, EXIT_USAGE, ExporterError, exit_codes_help
+from .progress import Progress
+from .recipe import builtin_names, builtin_path, load_recipe
+from .targets import NAMES as TARGET_NAMES
 
 CONVERT_EXAMPLES = """
 \b
@@ -23,9 +27,7 @@ Examples:
   exporter convert ckpt/ --inputs samples.safetensors --allow-drift
 
 \b
-Exit codes: 0 passed, 2 usage or input error, 3 numerics failure,
-4 target failure, 5 environment or output error, 130/143 interrupted.
-"""
+""" + exit_codes_help("convert")
 
 INSPECT_EXAMPLES = """
 \b
@@ -54,8 +56,8 @@ def cli() -> None:
               help="Declare an input dim (dynamic when MIN < MAX); repeatable.")
 @click.option("--input", "tensors", multiple=True, metavar="NAME:DTYPE:SHAPE[:LOW:HIGH]",
               help="Declare a model input, SHAPE as comma-separated sizes or dim names; repeatable.")
-@click.option("--target", "-t", "targets", multiple=True, metavar="NAME",
-              help="Build only this target (exported_program, aoti, onnx, compile, tensorrt); repeatable.")
+@click.option("--target", "-t", "targets", multiple=True, type=click.Choice(TARGET_NAMES),
+              help="Build only this target of the recipe's; repeatable.")
 @click.option("--no-rewrite", is_flag=True,
               help="Leave attention as written (sites still audited): the baseline for what the rewrite buys.")
 @click.option("--allow-drift", is_flag=True, help="Report numerics failures as warnings (recorded in the report).")
@@ -67,8 +69,6 @@ def convert(checkpoint, recipe, out, factory, inputs_file, dims, tensors, target
             allow_pickle, overwrite, quiet, as_json):
     """Load CHECKPOINT, rewrite attention to SDPA, export, validate numerics, benchmark and report."""
     from .api import convert as run_convert
-    from .progress import Progress
-
     progress = Progress(enabled=not quiet)
     result = run_convert(checkpoint, recipe, out, model=factory, inputs=inputs_file, allow_drift=allow_drift,
                          allow_pickle=allow_pickle, overwrite=overwrite, progress=progress, dims=dims,
@@ -104,7 +104,8 @@ def inspect(checkpoint, recipe, factory, inputs_file, dims, tensors, allow_pickl
     if as_json:
         click.echo(json.dumps(data, indent=2))
         return
-    click.echo(f"checkpoint:   {data['checkpoint']} ({data['format']}, {data['bytes']:,} bytes, {data['tensors']} tensors)")
+    click.echo(f"checkpoint:   {data['checkpoint']} ({data['format']}, {data['bytes']:,} bytes, "
+               f"{data['tensors']} tensors)")
     click.echo(f"architecture: {data['architecture']} ({data['architecture_source']})")
     click.echo(f"parameters:   {data['parameters']:,}")
     click.echo(f"dtypes:       {', '.join(f'{k} x{v}' for k, v in data['dtypes'].items())}")
@@ -127,8 +128,6 @@ def recipes() -> None:
 @recipes.command("list")
 def recipes_list():
     """List the built-in recipes."""
-    from .recipe import builtin_names, load_recipe
-
     for name in builtin_names():
         recipe = load_recipe(name)
         click.echo(f"{name:<20} {recipe.runtime.device:<5} {recipe.runtime.dtype:<9} {recipe.description}")
@@ -138,10 +137,6 @@ def recipes_list():
 @click.argument("name")
 def recipes_show(name):
     """Print a recipe file (built-in NAME or a path) after checking it."""
-    from pathlib import Path
-
-    from .recipe import builtin_path, load_recipe
-
     recipe = load_recipe(name)
     path = Path(recipe.source) if recipe.source else builtin_path(name)
     click.echo(path.read_text(encoding="utf-8"), nl=False)
@@ -154,11 +149,7 @@ Examples:
   exporter verify build/my-model --junit reports/exporter-verify.xml
 
 \b
-Exit codes: 0 verified, 6 integrity (no manifest.json; a missing, changed
-or unlisted file), 3 numerics differ from the stored reference (or the
-recorded run failed numerics), 4 an artifact no longer loads or runs,
-5 cannot run here (a CUDA artifact without a GPU), 2 usage.
-"""
+""" + exit_codes_help("verify")
 
 VALIDATE_EXAMPLES = """
 \b
@@ -168,9 +159,7 @@ Examples:
   exporter validate build/my-model --locate --target onnx --json
 
 \b
-Exit codes: 0 passed, 2 usage or input error (checkpoint changed since
-convert), 3 numerics failure, 4 target failure, 5 environment.
-"""
+""" + exit_codes_help("convert")
 
 
 @cli.command(epilog=VERIFY_EXAMPLES)
@@ -206,7 +195,6 @@ def verify(out_dir, junit, as_json):
 def validate(out_dir, locate, targets, checkpoint, allow_pickle, quiet, as_json):
     """Validate the artifacts in OUT_DIR again from the checkpoint (baseline, samples, shape grid); with
     --locate, localise divergences. OUT_DIR is not modified."""
-    from .progress import Progress
     from .revalidate import validate_folder
 
     result = validate_folder(out_dir, locate=locate, targets=tuple(targets), checkpoint=checkpoint,
@@ -233,8 +221,12 @@ def main(argv: list[str] | None = None) -> None:
         cli.main(args=argv, prog_name="exporter", standalone_mode=False)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
-    except click.ClickException as exc:
-        exc.show()
+    except click.ClickException as exc:  # a bad option or argument: one line, like every other user mistake
+        ctx = getattr(exc, "ctx", None)  # usage errors carry the command they were raised for
+        command = ctx.command_path if ctx is not None else "exporter"
+        message = " ".join(exc.format_message().split())
+        message += "" if message.endswith((".", "?", "!")) else "."
+        click.echo(f"error: {message} Fix: see '{command} --help' for the options.", err=True)
         sys.exit(EXIT_USAGE)
     except click.exceptions.Abort:
         click.echo("error: aborted", err=True)

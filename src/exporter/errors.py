@@ -1,26 +1,18 @@
-"""The error tree. Each class carries the exit code the CLI returns for it.
+"""The error tree, the exit codes, and how an exception is told in one line.
 
-A user mistake is reported as one line: what is wrong, and how to fix it.
-The CLI's ``main`` is the only place that turns these into output; library
-callers catch :class:`ExporterError` and read ``exit_code`` / ``hint``.
+Each error class carries the exit code the CLI returns for it. A user mistake is reported as one line:
+what is wrong, and how to fix it. The CLI's ``main`` is the only place that turns these into output;
+library callers catch :class:`ExporterError` and read ``exit_code`` / ``hint``.
 
-Exit codes (documented in docs/exit-codes.md):
-
-==  ==========================================================================
-0   success: every target built and passed numerics
-1   internal error (a bug in exporter; run with EXPORTER_DEBUG=1 and report it)
-2   usage or input error: bad option, recipe, checkpoint, config or inputs file
-3   numerics failure: a candidate's error exceeded the recipe's tolerance
-4   target failure: a target could not be built, loaded or run
-5   environment or output error: missing dependency or device, output folder
-    not writable or in use, disk full
-6   integrity failure (exporter verify): no manifest, or a file missing, changed
-    or not listed in it
-130 interrupted by SIGINT; 143 terminated by SIGTERM
-==  ==========================================================================
+The exit codes live in :data:`EXIT_CODES` and nowhere else: the CLI's help and docs/exit-codes.md
+(``python scripts/error_catalogue.py``) are generated from it.
 """
 
 from __future__ import annotations
+
+import signal
+import textwrap
+from dataclasses import dataclass
 
 EXIT_OK = 0
 EXIT_INTERNAL = 1
@@ -31,6 +23,91 @@ EXIT_ENVIRONMENT = 5
 EXIT_INTEGRITY = 6
 EXIT_SIGINT = 130
 EXIT_SIGTERM = 143
+
+
+@dataclass(frozen=True)
+class ExitCode:
+    code: int
+    short: str  # a few words, for --help
+    meaning: str  # what it means for convert (and validate)
+    examples: str = ""
+    verify: str = ""  # what it means for exporter verify; empty when verify does not return it
+
+
+EXIT_CODES: tuple[ExitCode, ...] = (
+    ExitCode(EXIT_OK, "passed",
+             "every target built and passed numerics (skipped targets, such as `tensorrt` without "
+             "`torch_tensorrt`, do not fail a run); also when only numerics failed and `--allow-drift` was given",
+             verify="verified: every listed file matches `manifest.json`, the recorded run passed, every artifact "
+                    "re-ran within its stored bars"),
+    ExitCode(EXIT_INTERNAL, "internal error", "internal error: a bug in exporter",
+             "rerun with `EXPORTER_DEBUG=1` and report the traceback"),
+    ExitCode(EXIT_USAGE, "usage or input error", "usage or input error",
+             "unknown option; unknown recipe; recipe with unknown keys or bad values; checkpoint missing, damaged or "
+             "not fitting the architecture; no `config.json` and no `--model`; factory that fails; inputs file with "
+             "missing names or wrong shapes or dtypes; pickle without `--allow-pickle`; for `validate`: no "
+             "`manifest.json`, an unknown `--target`, the checkpoint missing or changed since convert",
+             verify="usage: `OUT_DIR` does not exist or is not a folder"),
+    ExitCode(EXIT_NUMERICS, "numerics failure", "numerics failure",
+             "a candidate's error exceeded `k × eager error + atol` on some output; `report.json` names the target, "
+             "the output and the sample",
+             verify="numerics difference: an artifact's re-run exceeds the bar stored for some (sample, output), or "
+                    "has NaN/Inf where the reference is finite; or the recorded run failed numerics (also when "
+                    "`--allow-drift` let it exit 0)"),
+    ExitCode(EXIT_TARGET, "target failure", "target failure",
+             "a target could not be built, loaded (a crash of its child process included) or run; or the original "
+             "model does not run in float64, so no reference exists",
+             verify="target failure: an artifact no longer loads or runs; or the recorded run had a target failure"),
+    ExitCode(EXIT_ENVIRONMENT, "environment or output error", "environment or output error",
+             "a CUDA recipe on a machine without a GPU; transformers not installed for a `config.json` model; output "
+             "folder not writable, already holding a run (without `--overwrite`), being written by another run, or "
+             "the disk filled",
+             verify="environment: an artifact built for CUDA on a machine without a GPU; the `--junit` file cannot be "
+                    "written"),
+    ExitCode(EXIT_INTEGRITY, "integrity failure (verify)", "",
+             verify="integrity failure: no `manifest.json` (the run never finished); a file missing, changed (SHA-256 "
+                    "or size) or not listed; `report.json` or the stored reference changed, or a report without "
+                    "per-sample bars"),
+    ExitCode(EXIT_SIGINT, "interrupted (SIGINT)", "interrupted by SIGINT", "no `manifest.json` is written"),
+    ExitCode(EXIT_SIGTERM, "terminated (SIGTERM)", "terminated by SIGTERM", "no `manifest.json` is written"),
+)
+
+# exporter verify: when several codes apply, the first of these wins (a changed file outranks wrong numbers)
+VERIFY_PRECEDENCE = (EXIT_INTEGRITY, EXIT_NUMERICS, EXIT_TARGET, EXIT_ENVIRONMENT, EXIT_USAGE)
+
+
+def exit_codes_help(command: str = "convert") -> str:
+    """One paragraph for a command's --help: ``0 passed, 2 usage or input error, ...``."""
+    if command == "verify":
+        entries = [(EXIT_OK, "verified")] + [(c, next(e.short for e in EXIT_CODES if e.code == c))
+                                              for c in VERIFY_PRECEDENCE]
+    else:
+        entries = [(e.code, e.short) for e in EXIT_CODES if e.meaning and e.code != EXIT_INTERNAL]
+    text = "Exit codes: " + ", ".join(f"{code} {meaning}" for code, meaning in entries) + "."
+    return textwrap.fill(text, width=76) + "\n"
+
+
+def describe(exc: BaseException, limit: int = 400) -> str:
+    """``TypeName: message`` on one line, shortened at a word boundary to at most ``limit`` characters
+    (an :class:`ExporterError` gives its own line, fix included)."""
+    if isinstance(exc, ExporterError):
+        text = exc.one_line()
+    else:
+        message = " ".join(str(exc).split())
+        text = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+    return shorten(text, limit)
+
+
+def shorten(text: str, limit: int) -> str:
+    """``text`` on one line, cut at the last word boundary before ``limit`` characters, with an ellipsis."""
+    text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    cut = text[: max(limit - 1, 1)]
+    space = cut.rfind(" ")
+    if space > limit // 2:
+        cut = cut[:space]
+    return cut.rstrip(" ,;:(") + "…"
 
 
 class ExporterError(Exception):
@@ -115,8 +192,6 @@ class Interrupted(ExporterError):
     """The run was stopped by a signal."""
 
     def __init__(self, signum: int):
-        import signal
-
         name = signal.Signals(signum).name
         super().__init__(f"interrupted by {name}; no manifest was written, so the output is incomplete",
                          "run the command again")

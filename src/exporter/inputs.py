@@ -18,15 +18,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn as nn
+from safetensors.torch import load_file
+from torch.export import Dim as ExportDim
 
-from .errors import InputsError
+from .checkpoint.files import read_header
+from .errors import CheckpointError, InputsError
 from .modelio import forward_parameters, is_transformers_model
 from .recipe import Dim, InputsSection, TensorSpec
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-          "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
+TORCH_DTYPES = {  # dtype names (recipes, input declarations) to torch dtypes
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
 
 
 @dataclass
@@ -59,21 +64,21 @@ class InputPlan:
                     axes.setdefault(spec.name, {})[axis] = by_name[entry]
         return axes
 
-    def export_dynamic_shapes(self, hints: bool = False) -> dict[str, dict[int, Any]] | None:
+    def export_dynamic_shapes(self, hints: bool = False) -> dict[str, dict[int, Any] | None] | None:
         """torch.export dynamic_shapes keyed by input name: one named Dim per recipe dim, or with
         ``hints`` a ``Dim.DYNAMIC`` range hint per axis."""
         axes = self.dynamic_axes()
         if not axes:
             return None
-        from torch.export import Dim as ExportDim
-
         made: dict[str, Any] = {}
         for dim in self.dims:
             if dim.dynamic:
                 made[dim.name] = (ExportDim.DYNAMIC(min=dim.min, max=dim.max) if hints
                                   else ExportDim(dim.name, min=dim.min, max=dim.max))
-        return {name: {axis: made[d.name] for axis, d in axes.get(name, {}).items()} or None
-                for name in self.names}
+        shapes: dict[str, dict[int, Any] | None] = {}
+        for name in self.names:
+            shapes[name] = {axis: made[d.name] for axis, d in axes.get(name, {}).items()} or None
+        return shapes
 
 
 # --------------------------------------------------------------------------- specs
@@ -95,7 +100,7 @@ def infer_specs(model: nn.Module, section: InputsSection) -> tuple[TensorSpec, .
         raise InputsError("the model's inputs are not declared and cannot be inferred without a transformers config",
                           "declare them in the recipe ([[inputs.tensor]] with name, shape, dtype) or with --input")
     params = forward_parameters(model)
-    config = model.config
+    config: Any = model.config
     batch = "batch" if section.dim("batch") else 1
     if "input_ids" in params:
         seq = "sequence" if section.dim("sequence") else 16
@@ -141,7 +146,7 @@ def generate_sample(specs: tuple[TensorSpec, ...], sizes: dict[str, int], seed: 
     sample: dict[str, torch.Tensor] = {}
     for spec in specs:
         shape = concrete_shape(spec, sizes)
-        dtype = DTYPES[spec.dtype]
+        dtype = TORCH_DTYPES[spec.dtype]
         if spec.name == "attention_mask" and len(shape) == 2:
             sample[spec.name] = padding_mask(shape[0], shape[1], dtype)
         elif dtype == torch.bool:
@@ -193,19 +198,12 @@ def _read_named_tensors(path: Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise InputsError(f"inputs file {path} does not exist", "check the path given to --inputs")
     if path.suffix == ".npz":
-        import numpy as np
-
         try:
             with np.load(path, allow_pickle=False) as data:
                 return {k: torch.from_numpy(data[k].copy()) for k in data.files}
         except Exception as exc:
             raise InputsError(f"inputs file {path} is not a readable .npz ({type(exc).__name__})",
                               "save it with numpy.savez") from None
-    from safetensors.torch import load_file
-
-    from .checkpoint.files import read_header
-    from .errors import CheckpointError
-
     try:
         read_header(path)
         return load_file(str(path))
@@ -244,8 +242,9 @@ def read_samples(path: Path, specs: tuple[TensorSpec, ...], dims: tuple[Dim, ...
         sample = {}
         for spec in specs:
             value = group[spec.name]
-            want = DTYPES[spec.dtype]
-            if value.is_floating_point() != want.is_floating_point or (value.dtype == torch.bool) != (want == torch.bool):
+            want = TORCH_DTYPES[spec.dtype]
+            if (value.is_floating_point() != want.is_floating_point
+                    or (value.dtype == torch.bool) != (want == torch.bool)):
                 raise InputsError(f"{label}: {spec.name} has dtype {str(value.dtype).replace('torch.', '')}, "
                                   f"the model takes {spec.dtype}", f"save {spec.name} as {spec.dtype}")
             if value.dim() != len(spec.shape):
@@ -261,12 +260,14 @@ def read_samples(path: Path, specs: tuple[TensorSpec, ...], dims: tuple[Dim, ...
                     dim = by_dim[entry]
                     if not dim.min <= size <= dim.max:
                         raise InputsError(f"{label}: {spec.name} has {entry}={size} on axis {axis}, outside the "
-                                          f"recipe's range {dim.min}..{dim.max}", f"widen inputs.dims.{entry} in the recipe")
+                                          f"recipe's range {dim.min}..{dim.max}",
+                                          f"widen inputs.dims.{entry} in the recipe")
             sample[spec.name] = value.to(want) if value.dtype != want else value
         samples.append(sample)
     return samples
 
 
-def cast_sample(sample: dict[str, torch.Tensor], dtype: torch.dtype, device: str | torch.device = "cpu") -> list[torch.Tensor]:
+def cast_sample(sample: dict[str, torch.Tensor], dtype: torch.dtype,
+                device: str | torch.device = "cpu") -> list[torch.Tensor]:
     """Floating inputs to ``dtype``, everything to ``device``, in sample order."""
     return [(v.to(dtype) if v.is_floating_point() else v).to(device) for v in sample.values()]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import OutputError
+from .outdir import write_atomic
 
 
 @dataclass
@@ -39,8 +41,6 @@ def render(suite: str, cases: list[Case], seconds: float) -> str:
 
 
 def write(path: str | Path, suite: str, cases: list[Case], seconds: float) -> None:
-    from .outdir import write_atomic
-
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -57,8 +57,6 @@ def check_writable(path: str | Path) -> None:
     existing = next((p for p in [folder, *folder.parents] if p.exists()), None)
     if path.is_dir() or existing is None or not existing.is_dir():
         raise OutputError(f"cannot write the JUnit file {path}", "pass a file path in a writable folder to --junit")
-    import os
-
     if not os.access(existing, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise OutputError(f"cannot write the JUnit file {path}: permission denied", "pass a writable --junit path")
 

@@ -29,7 +29,7 @@ class Signature:
 
 def is_transformers_model(model: nn.Module) -> bool:
     try:
-        from transformers import PreTrainedModel
+        from transformers import PreTrainedModel  # noqa: PLC0415 - transformers is optional
     except ImportError:
         return False
     return isinstance(model, PreTrainedModel)
@@ -54,15 +54,16 @@ def flatten_outputs(result: Any) -> list[tuple[str, torch.Tensor]]:
 @contextlib.contextmanager
 def attention_implementation(model: nn.Module, name: str | None):
     """Temporarily switch a transformers model's attention implementation (restored on exit)."""
-    if name is None or not is_transformers_model(model) or model.config._attn_implementation == name:
+    hf: Any = model  # a transformers PreTrainedModel: config and set_attn_implementation
+    if name is None or not is_transformers_model(model) or hf.config._attn_implementation == name:
         yield
         return
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(name)
+    previous = hf.config._attn_implementation
+    hf.set_attn_implementation(name)
     try:
         yield
     finally:
-        model.set_attn_implementation(previous)
+        hf.set_attn_implementation(previous)
 
 
 class IOModule(nn.Module):
@@ -100,7 +101,8 @@ def make_io_module(model: nn.Module, signature: Signature, attn_implementation: 
     return cls(model, signature, attn_implementation)
 
 
-def discover_outputs(model: nn.Module, inputs: dict[str, torch.Tensor], wanted: tuple[str, ...] = ()) -> tuple[str, ...]:
+def discover_outputs(model: nn.Module, inputs: dict[str, torch.Tensor],
+                     wanted: tuple[str, ...] = ()) -> tuple[str, ...]:
     """Run once and name the tensor outputs; keep ``wanted`` (in that order) when given."""
     probe = IOModule(model, Signature(tuple(inputs), ()))
     try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -20,7 +21,25 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from safetensors.torch import save_file
+
 from .errors import OutputError
+
+
+def sha256_file(path: Path, chunk: int = 8 * 1024 * 1024) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while True:
+            block = handle.read(chunk)
+            if not block:
+                break
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def file_entry(path: Path, root: Path) -> dict[str, Any]:
+    """A file of the output folder as the report and the manifest list it."""
+    return {"path": str(Path(path).relative_to(root)), "sha256": sha256_file(path), "bytes": Path(path).stat().st_size}
 
 
 def _umask() -> int:
@@ -53,19 +72,31 @@ def write_json(path: Path, value: Any) -> None:
     write_atomic(path, json.dumps(value, indent=2, sort_keys=False, default=str) + "\n")
 
 
+def save_tensors(path: Path, samples: list[list[Any]], names: tuple[str, ...]) -> None:
+    """Samples (lists of tensors in ``names`` order) as one safetensors file, keys ``<sample>.<name>``."""
+    flat = {f"{i}.{name}": t.detach().cpu().contiguous() for i, sample in enumerate(samples)
+            for name, t in zip(names, sample)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        save_file(flat, str(path))
+    except OSError as exc:
+        raise os_problem(exc, path) from None
+
+
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def disk_full(exc: BaseException) -> OSError | None:
     """The OSError that says the disk (or quota, or file size limit) is full, anywhere in ``exc``'s chain."""
     seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno in DISK_FULL:
-            return exc
-        if "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc):  # wrapped by a library
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in DISK_FULL:
+            return current
+        if "No space left on device" in str(current) or "Disk quota exceeded" in str(current):  # wrapped by a library
             return OSError(errno.ENOSPC, "No space left on device")
-        exc = exc.__cause__ or exc.__context__
+        current = current.__cause__ or current.__context__
     return None
 
 
@@ -114,14 +145,18 @@ class OutputFolder:
         if not os.access(self.final.parent, os.W_OK):
             raise OutputError(f"output folder {self.final.parent} is not writable", "choose a writable --out folder")
         try:
-            self._lock_fd = os.open(self.lock_path, os.O_CREAT | os.O_RDWR, 0o644)
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fd = os.open(self.lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+        except OSError as exc:
+            raise _os_problem(exc, self.lock_path) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._lock_fd = fd
         except BlockingIOError:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+            os.close(fd)
             raise OutputError(f"another exporter run is writing {self.final}",
                               "wait for it to finish, or choose another --out") from None
         except OSError as exc:
+            os.close(fd)
             raise _os_problem(exc, self.lock_path) from None
         try:
             self.staging = Path(tempfile.mkdtemp(prefix=f".{self.final.name}.partial-", dir=self.final.parent))
@@ -129,6 +164,13 @@ class OutputFolder:
         except OSError as exc:
             self.release()
             raise _os_problem(exc, self.final.parent) from None
+        return self.staging
+
+    @property
+    def staged(self) -> Path:
+        """The staging folder of an open output folder."""
+        if self.staging is None:
+            raise RuntimeError("the output folder is not open (use it as a context manager)")
         return self.staging
 
     def publish(self) -> Path:
@@ -166,7 +208,8 @@ def model_name(path: Path) -> str:
     path = Path(path).resolve()
     folder = path if path.is_dir() else path.parent
     name = path.name.split(".")[0] if path.is_file() else path.name
-    if path.is_file() and (name.lower() in GENERIC_NAMES or name.startswith("model-") or path.name.endswith(".index.json")):
+    generic = name.lower() in GENERIC_NAMES or name.startswith("model-") or path.name.endswith(".index.json")
+    if path.is_file() and generic:
         name = folder.name
     if name.lower() in GENERIC_NAMES and folder.parent != folder:
         name = (folder.parent if name == folder.name else folder).name

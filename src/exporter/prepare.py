@@ -5,12 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from safetensors.torch import load_file
 
 from .checkpoint import LoadedModel, load_model
-from .inputs import DTYPES
+from .inputs import TORCH_DTYPES
 from .modelio import IOModule, Signature, make_io_module
 from .rewrite import AttentionAudit, rewrite_attention
-from .runners import ModelSource
+from .targets.spec import ModelSource
 
 
 @dataclass
@@ -27,8 +28,6 @@ def original_module(loaded: LoadedModel, signature: Signature) -> IOModule:
 
 def from_source(source: ModelSource) -> Prepared:
     """Rebuild what convert built, in another process: load, wrap, rewrite (audited on the stored sample 0)."""
-    from safetensors.torch import load_file
-
     loaded = load_model(source.checkpoint, source.factory, source.allow_pickle)
     signature = Signature(source.inputs, source.outputs)
     original = original_module(loaded, signature)
@@ -39,4 +38,4 @@ def from_source(source: ModelSource) -> Prepared:
 
 
 def place(module: torch.nn.Module, device: str, dtype: str) -> torch.nn.Module:
-    return module.to(device=device, dtype=DTYPES[dtype])
+    return module.to(device=device, dtype=TORCH_DTYPES[dtype])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.resources
+import json
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -20,16 +21,18 @@ from pathlib import Path
 from typing import Any
 
 from .errors import RecipeError
+from .targets import NAMES as TARGETS
 
 SCHEMA_VERSION = 1
 
 DEVICES = ("cpu", "cuda")
-DTYPES = ("float32", "bfloat16", "float16")
+RUNTIME_DTYPES = ("float32", "bfloat16", "float16")  # what a recipe may run in
 TENSOR_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "bool")
 ATTENTION_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
-TARGETS = ("exported_program", "aoti", "onnx", "compile", "tensorrt")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 ONNX_DTYPES = ("auto", "float32", "recipe")
+# numerics.k when the recipe gives none: how many times the eager model's own error a candidate may make
+K_DEFAULTS = {"float64": 2.0, "float32": 2.0, "bfloat16": 3.0, "float16": 3.0}
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -75,7 +78,7 @@ class RuntimeSection:
     device: str = "cpu"
     dtype: str = "float32"
     attention_backend: str = "auto"
-    rewrite_attention: bool = True  # false: attention runs as written (sites still audited), e.g. to measure the rewrite
+    rewrite_attention: bool = True  # false: attention runs as written (sites still audited), to measure the rewrite
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,7 @@ class InputsSection:
 
 @dataclass(frozen=True)
 class NumericsSection:
-    k: float | None = None  # None: 2 for float32, 3 for bfloat16/float16
+    k: float | None = None  # None: K_DEFAULTS for the candidate's dtype
     atol: float = 1e-5
     grid: bool = True  # check every artifact with dynamic dims over the shape grid (docs/numerics.md)
     grid_sizes: tuple[int, ...] = (1, 7, 129)  # awkward sizes tried on every dynamic dim whose range holds them
@@ -110,7 +113,7 @@ class NumericsSection:
     def multiplier(self, dtype: str) -> float:
         if self.k is not None:
             return self.k
-        return 2.0 if dtype in ("float32", "float64") else 3.0
+        return K_DEFAULTS[dtype]
 
 
 @dataclass(frozen=True)
@@ -175,7 +178,8 @@ class Recipe:
         declared = [_parse_input_option(t) for t in tensors] if tensors else [
             {"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "low": t.low, "high": t.high}
             for t in self.inputs.tensors]
-        problems = _Problems("given with --dim/--input", "correct the --dim/--input options (see exporter convert --help)")
+        problems = _Problems("given with --dim/--input",
+                             "correct the --dim/--input options (see exporter convert --help)")
         parsed_dims = _parse_dims(data["dims"], problems)
         parsed = _parse_tensors(declared, parsed_dims, problems) if declared else ()
         problems.raise_if_any()
@@ -266,7 +270,8 @@ def _parse_input_option(text: str) -> dict[str, Any]:
         try:
             entry["low"], entry["high"] = float(parts[3]), float(parts[4])
         except ValueError:
-            raise RecipeError(f"--input {text!r}: LOW and HIGH must be numbers", "write e.g. x:float32:batch,16:-1:1") from None
+            raise RecipeError(f"--input {text!r}: LOW and HIGH must be numbers",
+                              "write e.g. x:float32:batch,16:-1:1") from None
     return entry
 
 
@@ -375,29 +380,29 @@ def parse_recipe(data: dict, name: str, source: str) -> Recipe:
     _choice(model.nonfinite_weights, NONFINITE_POLICIES, "model.nonfinite_weights", p)
 
     t = table("runtime")
-    d = RuntimeSection()
+    dr = RuntimeSection()
     _unknown(t, {f.name for f in dataclasses.fields(RuntimeSection)}, "runtime", p)
     runtime = RuntimeSection(
-        device=_get(t, "device", str, d.device, "runtime", p),
-        dtype=_get(t, "dtype", str, d.dtype, "runtime", p),
-        attention_backend=_get(t, "attention_backend", str, d.attention_backend, "runtime", p),
-        rewrite_attention=_get(t, "rewrite_attention", bool, d.rewrite_attention, "runtime", p),
+        device=_get(t, "device", str, dr.device, "runtime", p),
+        dtype=_get(t, "dtype", str, dr.dtype, "runtime", p),
+        attention_backend=_get(t, "attention_backend", str, dr.attention_backend, "runtime", p),
+        rewrite_attention=_get(t, "rewrite_attention", bool, dr.rewrite_attention, "runtime", p),
     )
     _choice(runtime.device, DEVICES, "runtime.device", p)
-    _choice(runtime.dtype, DTYPES, "runtime.dtype", p)
+    _choice(runtime.dtype, RUNTIME_DTYPES, "runtime.dtype", p)
     _choice(runtime.attention_backend, ATTENTION_BACKENDS, "runtime.attention_backend", p)
     if runtime.device == "cpu" and runtime.attention_backend in ("flash", "cudnn"):
         p.add("runtime.attention_backend", f"{runtime.attention_backend!r} needs device 'cuda'")
 
     t = table("targets")
-    d = TargetsSection()
+    dt = TargetsSection()
     _unknown(t, {f.name for f in dataclasses.fields(TargetsSection)}, "targets", p)
     targets = TargetsSection(
-        build=_str_list(t, "build", d.build, "targets", p),
-        compile_modes=_str_list(t, "compile_modes", d.compile_modes, "targets", p),
-        compile_dynamic=_get(t, "compile_dynamic", bool, d.compile_dynamic, "targets", p),
-        onnx_opset=_get(t, "onnx_opset", int, d.onnx_opset, "targets", p),
-        onnx_dtype=_get(t, "onnx_dtype", str, d.onnx_dtype, "targets", p),
+        build=_str_list(t, "build", dt.build, "targets", p),
+        compile_modes=_str_list(t, "compile_modes", dt.compile_modes, "targets", p),
+        compile_dynamic=_get(t, "compile_dynamic", bool, dt.compile_dynamic, "targets", p),
+        onnx_opset=_get(t, "onnx_opset", int, dt.onnx_opset, "targets", p),
+        onnx_dtype=_get(t, "onnx_dtype", str, dt.onnx_dtype, "targets", p),
     )
     for target in targets.build:
         _choice(target, TARGETS, "targets.build", p)
@@ -416,12 +421,12 @@ def parse_recipe(data: dict, name: str, source: str) -> Recipe:
                 p.add("targets.compile_modes", "'reduce-overhead' captures CUDA graphs and needs device 'cuda'")
 
     t = table("inputs")
-    d = InputsSection()
+    di = InputsSection()
     _unknown(t, {"seed", "samples", "dims", "tensor"}, "inputs", p)
-    dims = _parse_dims(t["dims"], p) if "dims" in t else d.dims
+    dims = _parse_dims(t["dims"], p) if "dims" in t else di.dims
     inputs = InputsSection(
-        seed=_get(t, "seed", int, d.seed, "inputs", p),
-        samples=_get(t, "samples", int, d.samples, "inputs", p),
+        seed=_get(t, "seed", int, di.seed, "inputs", p),
+        samples=_get(t, "samples", int, di.samples, "inputs", p),
         dims=dims,
         tensors=_parse_tensors(t["tensor"], dims, p) if "tensor" in t else (),
     )
@@ -429,16 +434,17 @@ def parse_recipe(data: dict, name: str, source: str) -> Recipe:
         p.add("inputs.samples", f"must be between 1 and 64, got {inputs.samples}")
 
     t = table("numerics")
-    d = NumericsSection()
+    dn = NumericsSection()
     _unknown(t, {f.name for f in dataclasses.fields(NumericsSection)}, "numerics", p)
-    grid_sizes = _get(t, "grid_sizes", list, list(d.grid_sizes), "numerics", p)
+    grid_sizes = _get(t, "grid_sizes", list, list(dn.grid_sizes), "numerics", p)
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in grid_sizes):
         p.add("numerics.grid_sizes", "expected a list of integers >= 1")
-        grid_sizes = list(d.grid_sizes)
-    numerics = NumericsSection(k=_get(t, "k", float, d.k, "numerics", p), atol=_get(t, "atol", float, d.atol, "numerics", p),
-                               grid=_get(t, "grid", bool, d.grid, "numerics", p), grid_sizes=tuple(grid_sizes),
-                               grid_budget=_get(t, "grid_budget", float, d.grid_budget, "numerics", p),
-                               locate=_get(t, "locate", bool, d.locate, "numerics", p))
+        grid_sizes = list(dn.grid_sizes)
+    numerics = NumericsSection(k=_get(t, "k", float, dn.k, "numerics", p),
+                               atol=_get(t, "atol", float, dn.atol, "numerics", p),
+                               grid=_get(t, "grid", bool, dn.grid, "numerics", p), grid_sizes=tuple(grid_sizes),
+                               grid_budget=_get(t, "grid_budget", float, dn.grid_budget, "numerics", p),
+                               locate=_get(t, "locate", bool, dn.locate, "numerics", p))
     if not numerics.grid_budget >= 1.0:
         p.add("numerics.grid_budget", f"must be at least 1, got {numerics.grid_budget}")
     if numerics.k is not None and not numerics.k >= 1.0:
@@ -447,13 +453,13 @@ def parse_recipe(data: dict, name: str, source: str) -> Recipe:
         p.add("numerics.atol", f"must be non-negative, got {numerics.atol}")
 
     t = table("bench")
-    d = BenchSection()
+    db = BenchSection()
     _unknown(t, {f.name for f in dataclasses.fields(BenchSection)}, "bench", p)
     bench = BenchSection(
-        warmup=_get(t, "warmup", int, d.warmup, "bench", p),
-        rounds=_get(t, "rounds", int, d.rounds, "bench", p),
-        iterations=_get(t, "iterations", int, d.iterations, "bench", p),
-        peak_tflops=_get(t, "peak_tflops", float, d.peak_tflops, "bench", p),
+        warmup=_get(t, "warmup", int, db.warmup, "bench", p),
+        rounds=_get(t, "rounds", int, db.rounds, "bench", p),
+        iterations=_get(t, "iterations", int, db.iterations, "bench", p),
+        peak_tflops=_get(t, "peak_tflops", float, db.peak_tflops, "bench", p),
     )
     for key in ("warmup", "rounds", "iterations"):
         low = 0 if key == "warmup" else 1
@@ -494,10 +500,10 @@ def builtin_path(name: str) -> Path | None:
 
 
 def load_recipe(name_or_path: str | Path) -> Recipe:
-    """Load a built-in recipe by name, or a recipe file by path."""
+    """Load a built-in recipe by name, or a recipe file by path: TOML, or the ``recipe.json`` a run wrote."""
     text = str(name_or_path)
     path = Path(text)
-    looks_like_path = text.endswith(".toml") or "/" in text or "\\" in text
+    looks_like_path = text.endswith((".toml", ".json")) or "/" in text or "\\" in text
     if not looks_like_path:
         found = builtin_path(text)
         if found is None:
@@ -511,8 +517,40 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
         if not path.is_file():
             raise RecipeError(f"recipe file {text} does not exist", "check the path, or pass a built-in recipe name")
         name = path.stem
+    if path.suffix == ".json":
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise RecipeError(f"recipe {path} is not valid JSON ({exc})",
+                              "fix the syntax at the position named") from None
+        if not isinstance(data, dict):
+            raise RecipeError(f"recipe {path} is not a JSON object", "pass a recipe.json written by exporter convert")
+        return recipe_from_dict(data, source=str(path))
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise RecipeError(f"recipe {path} is not valid TOML ({exc})", "fix the syntax at the position named") from None
     return parse_recipe(data, name=name, source=str(path))
+
+
+def recipe_from_dict(data: dict[str, Any], source: str = "recipe.json") -> Recipe:
+    """The Recipe a ``recipe.json`` (``Recipe.to_dict()``) holds, checked by the same parser as a TOML file."""
+    table: dict[str, Any] = {k: v for k, v in data.items() if k not in ("name", "source", "inputs") and v is not None}
+    for section in ("model", "runtime", "targets", "numerics", "bench"):
+        if isinstance(table.get(section), dict):
+            table[section] = {k: v for k, v in table[section].items() if v is not None}
+    inputs = data.get("inputs")
+    if isinstance(inputs, dict):
+        converted: dict[str, Any] = {k: v for k, v in inputs.items() if k not in ("dims", "tensors")}
+        dims = inputs.get("dims")
+        if isinstance(dims, list) and all(isinstance(d, dict) for d in dims):
+            # [{name, size, min, max}] in JSON, a table of tables in TOML
+            converted["dims"] = {str(d.get("name")): {k: v for k, v in d.items() if k != "name"} for d in dims}
+        elif dims is not None:
+            converted["dims"] = dims
+        if inputs.get("tensors"):
+            converted["tensor"] = inputs["tensors"]
+        table["inputs"] = converted
+    elif inputs is not None:
+        table["inputs"] = inputs
+    return parse_recipe(table, name=str(data.get("name") or Path(source).stem), source=source)

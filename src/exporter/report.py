@@ -12,18 +12,15 @@ import datetime as dt
 from pathlib import Path
 from typing import Any
 
-from .checkpoint.files import sha256_file
 from .environment import device_info, versions
 from .errors import EXIT_NUMERICS, EXIT_OK, EXIT_TARGET
-from .outdir import model_name, write_atomic, write_json
+from .numerics.tolerance import RULE
+from .outdir import file_entry, model_name, sha256_file, write_atomic, write_json
+from .recipe import K_DEFAULTS
 from .results import FAILED, NUMERICS_FAILED, OK, SKIPPED, VariantResult
 
 REPORT_SCHEMA_VERSION = 1
 MANIFEST_SCHEMA_VERSION = 1
-
-
-def file_entry(path: Path, root: Path) -> dict[str, Any]:
-    return {"path": str(Path(path).relative_to(root)), "sha256": sha256_file(path), "bytes": Path(path).stat().st_size}
 
 
 def _variant_dict(result: VariantResult) -> dict[str, Any]:
@@ -111,8 +108,8 @@ def assemble(*, recipe, checkpoint, loaded, plan, signature, reference, audit, r
         "outputs": list(signature.outputs),
         "reference": {"device": "cpu", "dtype": reference.dtype, "flops": reference.flops, "note": reference.note,
                       "model": "original (eager attention, not rewritten)"},
-        "tolerance": {"rule": "rmse(candidate, ref) <= k * rmse(eager in the candidate's dtype, ref) + atol",
-                      "k": recipe.numerics.k, "k_default": "2 for float32, 3 for bfloat16/float16",
+        "tolerance": {"rule": RULE, "k": recipe.numerics.k,
+                      "k_default": ", ".join(f"{k:g} for {dtype}" for dtype, k in K_DEFAULTS.items()),
                       "atol": recipe.numerics.atol, "grid": recipe.numerics.grid,
                       "grid_budget": recipe.numerics.grid_budget, "locate": recipe.numerics.locate},
         "attention": {**audit.to_dict(), "backend_choice": backend_choice},
@@ -177,7 +174,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     ]
     base = r["baseline"]["bench"] or {}
     lines.append(f"| eager (baseline) | — | — | {_ms(base.get('median_ms'))} | {_ms(base.get('p90_ms'))} | "
-                 f"{_ms(base.get('p99_ms'))} | 1.00× | {_tf(base)} | — | — | {kernel_summary(r['baseline'].get('kernels'))} |")
+                 f"{_ms(base.get('p99_ms'))} | 1.00× | {_tf(base)} | — | — | "
+                 f"{kernel_summary(r['baseline'].get('kernels'))} |")
     for v in [r["rewritten"]] + r["artifacts"]:
         b = v["bench"] or {}
         size = f"{v['size_bytes'] / 2**20:.1f} MiB" if v.get("size_bytes") else "—"
@@ -193,7 +191,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += [f"- warning: {w}" for w in r["warnings"]]
     lines += _grid_lines(r) + _locate_lines(r) + _choice_lines(r)
     if r["attention"]["sites"]:
-        lines += ["", "## Attention sites", "", "| location | kind | status | causal | masked | GQA | head dim | reason |",
+        lines += ["", "## Attention sites", "",
+                  "| location | kind | status | causal | masked | GQA | head dim | reason |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for s in r["attention"]["sites"]:
             lines.append(f"| `{s['location']}` | {s['kind']} | {s['status']} | {_b(s['causal'])} | {_b(s['masked'])} "
@@ -204,7 +203,8 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def _grid_lines(r: dict[str, Any]) -> list[str]:
     grid = r["inputs"].get("grid")
-    checked = [v for v in [r["rewritten"]] + r["artifacts"] if ((v.get("numerics") or {}).get("grid") or {}).get("checked")]
+    checked = [v for v in [r["rewritten"]] + r["artifacts"]
+               if ((v.get("numerics") or {}).get("grid") or {}).get("checked")]
     if not grid or not checked:
         return []
     points = [p["name"] for p in grid["points"]]
@@ -256,8 +256,8 @@ def _choice_lines(r: dict[str, Any]) -> list[str]:
         cells = []
         for name in ("flash", "cudnn", "efficient"):
             verdict = c["backends"][name]
-            cells.append("usable" if verdict["usable"] else "no: " + ("; ".join(verdict["reasons"]) or "no reason given")
-                         .replace("|", "/"))
+            why = ("; ".join(verdict["reasons"]) or "no reason given").replace("|", "/")
+            cells.append("usable" if verdict["usable"] else f"no: {why}")
         shapes = " / ".join(dict.fromkeys((c["query"], c["key"], c["value"])))
         lines.append(f"| {shapes} | {c['mask']} | {_b(c['is_causal'])} | {_b(c['enable_gqa'])} | {c['calls']} "
                      f"| **{c['picked']}** | " + " | ".join(cells) + " |")
@@ -335,4 +335,4 @@ def write_all(staging: Path, report: dict[str, Any], extra: dict[str, Any]) -> N
     write_json(staging / "manifest.json", manifest)
 
 
-__all__ = ["assemble", "render_markdown", "write_all", "file_entry", "kernel_summary", "REPORT_SCHEMA_VERSION"]
+__all__ = ["assemble", "render_markdown", "write_all", "kernel_summary", "REPORT_SCHEMA_VERSION"]

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .numerics import CandidateNumerics
+from .numerics.tolerance import CandidateNumerics
 
 OK = "ok"
 FAILED = "failed"

@@ -9,42 +9,33 @@ passing or not). The output folder is not modified: the result is printed (``--j
 
 from __future__ import annotations
 
-import dataclasses
 import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from .checkpoint import load_model
+from .environment import check_machine
 from .errors import EXIT_NUMERICS, EXIT_OK, EXIT_TARGET, CheckpointError, UsageError
+from .inputs import TORCH_DTYPES, plan_inputs
+from .modelio import Signature
+from .numerics.grid import plan_grid
+from .numerics.reference import Reference
+from .numerics.tolerance import ratio
+from .numerics.validation import Validation
+from .outdir import sha256_file
+from .prepare import original_module
 from .progress import Progress
+from .quiet import quiet_libraries
+from .recipe import recipe_from_dict
 from .results import FAILED, NUMERICS_FAILED, VariantResult
+from .rewrite import rewrite_attention
+from .targets.spec import RunnerFailed
 from .verify import artifact_spec, device_problem, load_reference, out_folder, read_json
 
 
-def recipe_from_dict(data: dict[str, Any]):
-    """The Recipe that ``recipe.json`` (``Recipe.to_dict()``) holds."""
-    from .recipe import (BenchSection, Dim, InputsSection, ModelSection, NumericsSection, Recipe, RuntimeSection,
-                         TargetsSection, TensorSpec)
-
-    def section(cls, values: dict[str, Any] | None, **special):
-        names = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: (tuple(v) if isinstance(v, list) else v) for k, v in (values or {}).items() if k in names}
-        kwargs.update({k: v for k, v in special.items() if k in kwargs})
-        return cls(**kwargs)
-
-    inputs = data.get("inputs") or {}
-    dims = tuple(Dim(**d) for d in inputs.get("dims", []))
-    tensors = tuple(TensorSpec(**{**t, "shape": tuple(t["shape"])}) for t in inputs.get("tensors", []))
-    return Recipe(name=data.get("name", "recipe"), description=data.get("description", ""),
-                  model=section(ModelSection, data.get("model")), runtime=section(RuntimeSection, data.get("runtime")),
-                  targets=section(TargetsSection, data.get("targets")),
-                  inputs=section(InputsSection, inputs, dims=dims, tensors=tensors),
-                  numerics=section(NumericsSection, data.get("numerics")), bench=section(BenchSection, data.get("bench")),
-                  source=data.get("source", ""))
-
-
 def _check_checkpoint(manifest: dict[str, Any], checkpoint: Path) -> None:
-    from .checkpoint.files import sha256_file
-
     for entry in manifest.get("checkpoint", []):
         path = Path(entry["path"])
         if checkpoint.is_dir() and not path.exists():
@@ -63,26 +54,12 @@ def validate_folder(out_dir: str | Path, *, locate: bool = False, targets: tuple
                     checkpoint: str | Path | None = None, allow_pickle: bool = False,
                     progress: Progress | None = None) -> dict[str, Any]:
     """Re-validate a finished output folder; a dict with ``exit_code``, ``problems`` and one entry per candidate."""
-    import torch
-
-    from .checkpoint import load_model
-    from .environment import check_machine
-    from .grid import plan_grid
-    from .inputs import DTYPES, plan_inputs
-    from .modelio import Signature
-    from .prepare import original_module
-    from .rewrite import rewrite_attention
-    from .quiet import quiet_libraries
-    from .reference import Reference
-    from .runners import RunnerFailed
-    from .validate import Validation
-
     progress = progress or Progress(enabled=False)
     out = out_folder(out_dir)
     if not (out / "manifest.json").is_file():
         raise UsageError(f"{out} has no manifest.json: the convert run never finished", "run exporter convert again")
     manifest, report = read_json(out / "manifest.json"), read_json(out / "report.json")
-    recipe = recipe_from_dict(read_json(out / "recipe.json"))
+    recipe = recipe_from_dict(read_json(out / "recipe.json"), source=str(out / "recipe.json"))
     known = {a["name"] for a in report["artifacts"]} | {"rewritten"}
     unknown = [t for t in targets if t not in known]
     if unknown:
@@ -99,8 +76,8 @@ def validate_folder(out_dir: str | Path, *, locate: bool = False, targets: tuple
             signature = Signature(tuple(report["inputs"]["names"]), tuple(report["outputs"]))
             original = original_module(loaded, signature)
             rewritten, _ = rewrite_attention(original, list(samples[0]), apply=recipe.runtime.rewrite_attention)
-            loaded.model.to(device=device, dtype=DTYPES[dtype])
-            rewritten.to(device=device, dtype=DTYPES[dtype])
+            loaded.model.to(device=device, dtype=TORCH_DTYPES[dtype])
+            rewritten.to(device=device, dtype=TORCH_DTYPES[dtype])
         validation = Validation(recipe, signature, Reference(reference, "float64", 0), samples, original,
                                 lambda name: Path(logs) / f"{name.replace(':', '-')}.log")
         results: list[VariantResult] = []
@@ -123,9 +100,9 @@ def validate_folder(out_dir: str | Path, *, locate: bool = False, targets: tuple
                     if problem or not (out / entry["path"]).is_file():
                         result.fail(FAILED, problem or f"{entry['path']} is missing")
                         continue
-                    runner = validation.remote(result, artifact_spec(entry, out, report))
-                    if runner is not None:
-                        live[entry["name"]] = runner
+                    remote = validation.remote(result, artifact_spec(entry, out, report))
+                    if remote is not None:
+                        live[entry["name"]] = remote
             grid = plan_grid(plan, recipe.numerics, recipe.inputs.seed)
             with progress.stage("shape grid", f"{len(grid.points)} points" if grid else "skipped"):
                 candidates = [(r, live[r.name]) for r in results if r.name in live]
@@ -149,8 +126,8 @@ def validate_folder(out_dir: str | Path, *, locate: bool = False, targets: tuple
 
 def _worst_sample(result: VariantResult) -> int | None:
     """The sample a candidate asked for by name is localised on: its worst (the one nearest its bar)."""
-    from .numerics import ratio
-
+    if result.numerics is None:
+        return None
     worst = max(result.numerics.checks, key=ratio, default=None)
     return worst.sample if worst is not None else None
 
@@ -166,4 +143,4 @@ def _summarise(out: Path, results: list[VariantResult]) -> dict[str, Any]:
                             "numerics": r.numerics.to_dict() if r.numerics else None} for r in results]}
 
 
-__all__ = ["validate_folder", "recipe_from_dict"]
+__all__ = ["validate_folder"]

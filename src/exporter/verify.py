@@ -15,11 +15,8 @@ Without the checkpoint, in a fresh process:
 An artifact whose files do not match the manifest is not loaded: running a file that is not the one
 that was validated proves nothing, and for a compiled package it means running unknown native code.
 
-Exit codes (docs/exit-codes.md): 0 verified; 6 integrity (no manifest, a missing, changed or unlisted
-file, a report that lacks what verify needs); 3 a re-run exceeds its stored bar, or the recorded run
-failed numerics; 4 an artifact no longer loads or runs, or the recorded run had a target failure;
-5 this machine cannot run an artifact (a CUDA artifact without a GPU) or the JUnit file cannot be
-written; 2 usage. When several apply, the first in that order wins.
+Exit codes: ``errors.EXIT_CODES`` (their ``verify`` meanings; docs/exit-codes.md); when several apply, the
+first in ``errors.VERIFY_PRECEDENCE`` wins.
 """
 
 from __future__ import annotations
@@ -30,11 +27,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import EXIT_ENVIRONMENT, EXIT_INTEGRITY, EXIT_NUMERICS, EXIT_OK, EXIT_TARGET, EXIT_USAGE, UsageError
-from .junit import Case
+import torch
+from safetensors.torch import load_file
 
-PRECEDENCE = (EXIT_INTEGRITY, EXIT_NUMERICS, EXIT_TARGET, EXIT_ENVIRONMENT, EXIT_USAGE)
-REPORT_SCHEMA_VERSION = 1
+from . import junit as junit_mod
+from .errors import EXIT_ENVIRONMENT, EXIT_INTEGRITY, EXIT_NUMERICS, EXIT_OK, EXIT_TARGET, VERIFY_PRECEDENCE, UsageError
+from .junit import Case
+from .numerics.tolerance import check_against
+from .outdir import sha256_file
+from .report import REPORT_SCHEMA_VERSION
+from .runners import RemoteRunner, RunnerFailed
+from .targets.spec import RunnerSpec
+from .targets.toolchain import aoti_preload
 
 
 @dataclass
@@ -70,7 +74,7 @@ class VerifyResult:
     @property
     def exit_code(self) -> int:
         codes = {c.code for c in self.checks if c.passed is False}
-        return next((code for code in PRECEDENCE if code in codes), EXIT_OK)
+        return next((code for code in VERIFY_PRECEDENCE if code in codes), EXIT_OK)
 
     @property
     def passed(self) -> bool:
@@ -108,14 +112,10 @@ def out_folder(out_dir: str | Path) -> Path:
 
 def artifact_spec(entry: dict[str, Any], out: Path, report: dict[str, Any]):
     """The RunnerSpec that loads a recorded artifact as convert loaded it (rebuilt from report.json)."""
-    from .runners import RunnerSpec
-
     options: tuple = ()
     if entry["target"] == "onnx":
         options = (("provider", (entry.get("graph") or {}).get("provider") or "CPUExecutionProvider"),)
     elif entry["target"] == "aoti":
-        from .toolchain import aoti_preload
-
         options = (("ld_preload", aoti_preload()),)  # this machine's compiler libstdc++, as convert does
     return RunnerSpec(entry["name"], entry["target"], entry["device"], entry["dtype"], path=str(out / entry["path"]),
                       options=options, attention_backend=(report.get("recipe") or {}).get("attention_backend", "auto"))
@@ -123,8 +123,6 @@ def artifact_spec(entry: dict[str, Any], out: Path, report: dict[str, Any]):
 
 def load_reference(out: Path, report: dict[str, Any]):
     """(samples, fp64 reference outputs): each a list per sample, in the report's input/output order."""
-    from safetensors.torch import load_file
-
     names, outputs = report["inputs"]["names"], report["outputs"]
     count = report["inputs"]["samples"]
     stored_in = load_file(str(out / "reference" / "inputs.safetensors"))
@@ -136,8 +134,6 @@ def load_reference(out: Path, report: dict[str, Any]):
 
 def device_problem(device: str) -> str | None:
     if device.startswith("cuda"):
-        import torch
-
         if not torch.cuda.is_available():
             return "runs on cuda; this machine has no usable GPU"
     return None
@@ -149,8 +145,6 @@ def device_problem(device: str) -> str | None:
 def _check_files(out: Path, manifest: dict[str, Any], result: VerifyResult,
                  artifacts: list[dict[str, Any]]) -> set[str]:
     """Hash every listed file; return the paths that are missing or changed."""
-    from .checkpoint.files import sha256_file
-
     bad: dict[str, str] = {}
     listed = {}
     root = out.resolve()
@@ -194,15 +188,11 @@ def _recorded_verdict(report: dict[str, Any], result: VerifyResult) -> None:
     drift = " (numerics failures allowed by --allow-drift)" if report.get("allow_drift") else ""
     result.checks.append(Check("folder", "recorded verdict", False,
                                f"the convert run did not pass{drift}: {first}",
-                               code if code in PRECEDENCE else EXIT_NUMERICS))
+                               code if code in VERIFY_PRECEDENCE else EXIT_NUMERICS))
 
 
 def compare_rerun(entry: dict[str, Any], outputs, reference, names: list[str]) -> tuple[list[str], int]:
     """Problems of a re-run against the stored reference and the stored bars; and how many checks ran."""
-    import torch
-
-    from .numerics import metrics
-
     bars = {(c["sample"], c["output"]): c for c in (entry.get("numerics") or {}).get("checks") or []}
     problems, count = [], 0
     for index, (ref_sample, got_sample) in enumerate(zip(reference, outputs)):
@@ -211,32 +201,19 @@ def compare_rerun(entry: dict[str, Any], outputs, reference, names: list[str]) -
             continue
         for name, ref, got in zip(names, ref_sample, got_sample):
             count += 1
-            where = f"output {name} (sample {index})"
-            if tuple(got.shape) != tuple(ref.shape):
-                problems.append(f"{where}: shape {list(got.shape)}, the reference has {list(ref.shape)}")
-                continue
-            if not ref.is_floating_point():
-                if not torch.equal(got.cpu().to(ref.dtype), ref):
-                    problems.append(f"{where}: integer output differs from the reference")
-                continue
             bar = bars.get((index, name))
-            if bar is None:
-                problems.append(f"{where}: report.json holds no stored bar for it")
+            if bar is None and ref.is_floating_point():
+                problems.append(f"output {name} (sample {index}): report.json holds no stored bar for it")
                 continue
-            nonfinite = int((torch.isfinite(ref) & ~torch.isfinite(got.detach().cpu())).sum())
-            rmse = metrics(ref, got)["rmse"]
-            if nonfinite:
-                problems.append(f"{where}: {nonfinite} NaN/Inf value(s) where the reference is finite")
-            elif not rmse <= bar["allowed_rmse"]:
-                problems.append(f"{where}: rmse {rmse:.3g} > allowed {bar['allowed_rmse']:.3g} "
-                                f"(at convert: rmse {bar['rmse']:.3g})")
+            check = check_against(name, index, ref, got, bar["allowed_rmse"] if bar else 0.0,
+                                  explain=f"at convert: rmse {bar['rmse']:.3g}" if bar else "")
+            if not check.passed:
+                problems.append(f"output {name} (sample {index}): {check.reason}")
     return problems, count
 
 
 def _rerun(out: Path, report: dict[str, Any], entry: dict[str, Any], samples, reference, result: VerifyResult,
            timeout_s: float) -> None:
-    from .runners import RemoteRunner, RunnerFailed
-
     name = entry["name"]
     problem = device_problem(entry["device"])
     if problem:
@@ -255,7 +232,8 @@ def _rerun(out: Path, report: dict[str, Any], entry: dict[str, Any], samples, re
                                    time.perf_counter() - t0))
         result.checks.append(Check(name, "numerics", None, "not run: the artifact did not load"))
         return
-    result.checks.append(Check(name, "loads", True, f"loaded in {runner.load_s:.1f} s", seconds=time.perf_counter() - t0))
+    result.checks.append(Check(name, "loads", True, f"loaded in {runner.load_s:.1f} s",
+                               seconds=time.perf_counter() - t0))
     t0 = time.perf_counter()
     try:
         outputs = runner.run(samples)
@@ -272,8 +250,6 @@ def _rerun(out: Path, report: dict[str, Any], entry: dict[str, Any], samples, re
 
 def verify(out_dir: str | Path, *, junit: str | Path | None = None, timeout_s: float = 3600.0) -> VerifyResult:
     """Check an output folder against its manifest and re-run every artifact on the stored reference inputs."""
-    from . import junit as junit_mod
-
     out = out_folder(out_dir)
     if junit is not None:
         junit_mod.check_writable(junit)
@@ -331,7 +307,8 @@ def _verify(out: Path, result: VerifyResult, timeout_s: float) -> None:
             result.checks.append(Check(name, "loads", None, f"not verified: {why}"))
             continue
         if entry.get("status") != "ok":
-            result.checks.append(Check(name, "loads", None, f"not re-run: convert recorded it as {entry.get('status')}"))
+            result.checks.append(Check(name, "loads", None,
+                                       f"not re-run: convert recorded it as {entry.get('status')}"))
             continue
         if any(f["path"] in bad for f in entry.get("files") or []):
             result.checks.append(Check(name, "loads", None, "not run: its files do not match manifest.json"))

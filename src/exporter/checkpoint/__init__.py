@@ -25,7 +25,7 @@ def load_model(path: str | Path, factory: str | None = None, allow_pickle: bool 
     checkpoint = open_checkpoint(path, allow_pickle=allow_pickle)
     arch = resolve_architecture(checkpoint.root, factory)
     if arch.is_transformers:
-        from .hf_loader import load_transformers
+        from .hf_loader import load_transformers  # noqa: PLC0415 - transformers is optional
 
         model, report = load_transformers(arch, checkpoint)
     else:

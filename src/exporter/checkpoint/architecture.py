@@ -56,7 +56,8 @@ def resolve_architecture(root: Path, factory: str | None) -> Architecture:
         return _transformers_architecture(config, root)
     raise ArchitectureError(
         f"cannot tell the model's architecture: no --model factory was given and there is no config.json in {root}",
-        "pass --model package.module:function that returns the nn.Module, or put the Hugging Face config.json beside the weights",
+        "pass --model package.module:function that returns the nn.Module, or put the Hugging Face config.json "
+        "beside the weights",
     )
 
 
@@ -72,7 +73,8 @@ def import_factory(spec: str) -> Callable[..., Any]:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ArchitectureError(f"cannot import factory module {module_name!r} ({type(exc).__name__}: {exc})",
-                                "check the module name and that it is importable from the current folder or PYTHONPATH") from None
+                                "check the module name and that it is importable from the current folder or "
+                                "PYTHONPATH") from None
     except Exception as exc:
         raise ArchitectureError(f"importing factory module {module_name!r} raised {type(exc).__name__}: {exc}",
                                 "fix the error in that module") from None
@@ -105,12 +107,13 @@ def _transformers_architecture(config: dict, root: Path) -> Architecture:
     model_type = config.get("model_type")
     if not isinstance(names, list) or not names or not isinstance(names[0], str):
         raise ArchitectureError(f"{root / 'config.json'} has no 'architectures' entry naming the model class",
-                                "add e.g. \"architectures\": [\"LlamaForCausalLM\"], or pass --model package.module:function")
+                                "add e.g. \"architectures\": [\"LlamaForCausalLM\"], or pass --model "
+                                "package.module:function")
     if not isinstance(model_type, str):
         raise ArchitectureError(f"{root / 'config.json'} has no 'model_type'",
                                 "add the model_type (e.g. \"llama\"), or pass --model package.module:function")
     try:
-        import transformers
+        import transformers  # noqa: PLC0415 - transformers is optional
     except ImportError:
         raise EnvironmentProblem(
             f"config.json names the transformers architecture {names[0]}, but transformers is not installed",
@@ -120,7 +123,7 @@ def _transformers_architecture(config: dict, root: Path) -> Architecture:
         raise ArchitectureError(
             f"architecture {names[0]!r} from config.json is not known to transformers {transformers.__version__}",
             "upgrade transformers, fix 'architectures' in config.json, or pass --model package.module:function")
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # noqa: PLC0415 - transformers is optional
 
     try:
         hf_config = AutoConfig.for_model(model_type, **{k: v for k, v in config.items() if k != "model_type"})
@@ -134,9 +137,11 @@ def _transformers_architecture(config: dict, root: Path) -> Architecture:
 
     def build() -> nn.Module:
         try:
-            return cls._from_config(hf_config, attn_implementation="eager")
+            model_class: Any = cls  # a transformers PreTrainedModel class
+            return model_class._from_config(hf_config, attn_implementation="eager")
         except Exception as exc:
-            raise ArchitectureError(f"transformers could not build {names[0]} from config.json ({type(exc).__name__}: {exc})",
+            raise ArchitectureError(f"transformers could not build {names[0]} from config.json "
+                                    f"({type(exc).__name__}: {exc})",
                                     "check that config.json matches the architecture") from None
 
     return Architecture("transformers", names[0], config, build, hf_config)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from ..errors import CheckpointError
 
@@ -75,8 +76,6 @@ class Checkpoint:
         if self._pickled is not None:
             yield from self._pickled.items()
             return
-        from safetensors import safe_open
-
         by_file: dict[Path, list[str]] = {}
         for info in self.entries.values():
             by_file.setdefault(info.file, []).append(info.name)
@@ -116,7 +115,8 @@ def _open_folder(folder: Path, allow_pickle: bool) -> Checkpoint:
     if len(indexes) == 1:
         return _open_index(indexes[0], user_path=folder)
     if len(indexes) > 1:
-        raise CheckpointError(f"folder {folder} holds {len(indexes)} shard indexes ({', '.join(p.name for p in indexes)})",
+        raise CheckpointError(f"folder {folder} holds {len(indexes)} shard indexes "
+                              f"({', '.join(p.name for p in indexes)})",
                               "pass the index file to use")
     files = sorted(folder.glob("*.safetensors"))
     if len(files) == 1:
@@ -161,7 +161,8 @@ def _open_index(index: Path, user_path: Path | None = None) -> Checkpoint:
             raise CheckpointError(f"shard index {index.name} places {name!r} in {shard}, which does not hold it",
                                   "regenerate the index file")
         if entries[name].file.name != Path(shard).name:
-            raise CheckpointError(f"shard index {index.name} places {name!r} in {shard}, but it is in {entries[name].file.name}",
+            raise CheckpointError(f"shard index {index.name} places {name!r} in {shard}, but it is in "
+                                  f"{entries[name].file.name}",
                                   "regenerate the index file")
     return Checkpoint(user_path or index, index.parent, [index.parent / s for s in shards], "safetensors",
                       entries, metadata)
@@ -170,18 +171,22 @@ def _open_index(index: Path, user_path: Path | None = None) -> Checkpoint:
 def _open_pickle(path: Path, allow_pickle: bool, user_path: Path | None = None) -> Checkpoint:
     if not allow_pickle:
         raise CheckpointError(f"checkpoint {path} is a pickle file, which can run code when loaded",
-                              "convert it to safetensors, or pass --allow-pickle to load it with torch.load(weights_only=True)")
+                              "convert it to safetensors, or pass --allow-pickle to load it with "
+                              "torch.load(weights_only=True)")
     try:
         loaded = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:
         try:
             loaded = torch.load(str(path), map_location="cpu", weights_only=True)
         except Exception:
-            raise CheckpointError(f"cannot load pickle checkpoint {path} with weights_only=True ({str(exc).splitlines()[0]})",
+            raise CheckpointError(f"cannot load pickle checkpoint {path} with weights_only=True "
+                                  f"({str(exc).splitlines()[0]})",
                                   "convert it to safetensors in a trusted environment") from None
     if isinstance(loaded, dict) and "state_dict" in loaded and isinstance(loaded["state_dict"], dict):
         loaded = loaded["state_dict"]
-    if not isinstance(loaded, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in loaded.items()):
+    tensors_by_name = isinstance(loaded, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                       for k, v in loaded.items())
+    if not tensors_by_name:
         raise CheckpointError(f"pickle checkpoint {path} is not a state dict of named tensors",
                               "save model.state_dict(), or convert it to safetensors")
     entries = {k: TensorInfo(k, tuple(v.shape), v.dtype, path) for k, v in loaded.items()}
@@ -215,7 +220,8 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
         raise bad("header is not a JSON object")
     data_size = size - 8 - header_len
     metadata = header.pop("__metadata__", {}) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+    strings = isinstance(metadata, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
+    if not strings:
         raise bad("__metadata__ must map strings to strings")
     entries: dict[str, TensorInfo] = {}
     spans = []
@@ -254,24 +260,11 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     return entries, metadata
 
 
-def sha256_file(path: Path, chunk: int = 8 * 1024 * 1024) -> str:
-    import hashlib
-
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while True:
-            block = handle.read(chunk)
-            if not block:
-                break
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def folder_size(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-__all__ = ["Checkpoint", "TensorInfo", "open_checkpoint", "read_header", "sha256_file", "folder_size",
+__all__ = ["Checkpoint", "TensorInfo", "open_checkpoint", "read_header", "folder_size",
            "PICKLE_SUFFIXES", "SAFETENSORS_DTYPES"]

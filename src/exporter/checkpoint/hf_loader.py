@@ -29,7 +29,7 @@ def checkpoint_float_dtype(checkpoint: Checkpoint) -> torch.dtype:
 
 def load_transformers(arch: Architecture, checkpoint: Checkpoint) -> tuple[nn.Module, LoadReport]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import transformers
+    import transformers  # noqa: PLC0415 - transformers is optional, and reads HF_HUB_OFFLINE when imported
 
     transformers.logging.set_verbosity_error()
     cls = getattr(transformers, arch.name)
@@ -48,8 +48,9 @@ def load_transformers(arch: Architecture, checkpoint: Checkpoint) -> tuple[nn.Mo
         raise CheckpointError(f"checkpoint {checkpoint.path} does not fit {arch.name}: {first}",
                               "use the config.json the checkpoint was saved with") from None
     except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise ArchitectureError(f"transformers could not build {arch.name} from {checkpoint.path} "
-                                f"({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''})",
+                                f"({type(exc).__name__}: {first})",
                                 "check that config.json matches the weights") from None
     finally:
         if bars:
@@ -58,7 +59,8 @@ def load_transformers(arch: Architecture, checkpoint: Checkpoint) -> tuple[nn.Mo
     mismatched = info.get("mismatched_keys") or set()
     if mismatched:
         # reported, not reinitialised in silence: ignore_mismatched_sizes only makes transformers list them
-        shown = [m if isinstance(m, str) else f"{m[0]} (checkpoint {list(m[1])}, model {list(m[2])})" for m in mismatched]
+        shown = [m if isinstance(m, str) else f"{m[0]} (checkpoint {list(m[1])}, model {list(m[2])})"
+                 for m in mismatched]
         problems.append(f"{len(shown)} mis-shaped: {listing(sorted(shown))}")
     missing = info.get("missing_keys") or set()
     if missing:

@@ -33,8 +33,8 @@ def parameters_on_meta():
 
     def register(module: nn.Module, name: str, param):
         original(module, name, param)
-        if param is not None and param.device.type != "meta":
-            stored = module._parameters[name]
+        stored = module._parameters.get(name)
+        if stored is not None and param.device.type != "meta":
             kwargs = dict(stored.__dict__)
             kwargs["requires_grad"] = stored.requires_grad
             module._parameters[name] = type(stored)(stored.to("meta"), **kwargs)
@@ -122,7 +122,8 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint) -> LoadReport:
         if tuple(target.shape) != info.shape:
             misshaped.append(f"{info.name} (checkpoint {list(info.shape)}, model {list(target.shape)})")
             continue
-        if target.dtype.is_floating_point != info.dtype.is_floating_point or (target.dtype == torch.bool) != (info.dtype == torch.bool):
+        if (target.dtype.is_floating_point != info.dtype.is_floating_point
+                or (target.dtype == torch.bool) != (info.dtype == torch.bool)):
             misshaped.append(f"{info.name} (checkpoint dtype {info.dtype}, model {target.dtype})")
             continue
     if misshaped or unexpected:

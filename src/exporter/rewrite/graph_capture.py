@@ -23,6 +23,9 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
+from torch.export import Dim
+from torch.export.graph_signature import InputKind, OutputKind
 
 from ..modelio import IOModule, Signature
 
@@ -33,8 +36,6 @@ class CaptureError(RuntimeError):
 
 def dynamic_shapes(io: IOModule, example: list[torch.Tensor]) -> dict[str, Any]:
     """Every dim of every input ``Dim.AUTO``: dynamic unless the model's code pins it."""
-    from torch.export import Dim
-
     return {name: ({axis: Dim.AUTO for axis in range(t.dim())} if t.dim() else None)
             for name, t in zip(io.signature.inputs, example)}
 
@@ -54,8 +55,6 @@ class GraphProgram:
 
 
 def program_from_export(ep) -> GraphProgram:
-    from torch.export.graph_signature import InputKind, OutputKind
-
     state: list[tuple[str, Any]] = []
     for spec in ep.graph_signature.input_specs:
         if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
@@ -85,8 +84,6 @@ def model_key(module: nn.Module) -> tuple[str, torch.dtype | None]:
 def _tracing(inputs) -> bool:
     if torch.compiler.is_compiling():
         return True
-    from torch._subclasses.fake_tensor import is_fake
-
     return any(isinstance(t, torch.Tensor) and is_fake(t) for t in inputs)
 
 
@@ -101,6 +98,7 @@ class TracedModule(IOModule):
         self.signature: Signature = source.signature
         self.attn_implementation = getattr(source, "attn_implementation", None)
         self._extra: dict[str, Any] = {}
+        self._source: IOModule
         object.__setattr__(self, "_source", source)  # not a submodule: its only child is self.model
         self._example = [t.detach().clone() for t in example]
         self._build = build
@@ -154,7 +152,8 @@ class TracedModule(IOModule):
 
 def traced_module(source: IOModule, example, build, program) -> TracedModule:
     """A :class:`TracedModule` whose forward lists the real input names (as ``make_io_module`` does)."""
-    params = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in ("self",) + source.signature.inputs]
+    params = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+              for n in ("self",) + source.signature.inputs]
 
     def forward(self, *args):
         return TracedModule.forward(self, *args)

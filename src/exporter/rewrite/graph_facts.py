@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.export.graph_signature import InputKind
 
 aten = torch.ops.aten
 FULL_SLICE_END = 2**62  # slice(x, d, 0, end >= this) takes the whole dim
@@ -63,8 +64,6 @@ class Program:
     """The exported program's placeholders, by kind, and the values of its state and constants."""
 
     def __init__(self, ep):
-        from torch.export.graph_signature import InputKind
-
         self.ep = ep
         self.kinds: dict[str, Any] = {}
         self.targets: dict[str, str] = {}
@@ -270,10 +269,15 @@ def permutation(source: str, order: list[str]) -> tuple[int, ...] | None:
 def unrepeated_heads(node: fx.Node) -> tuple[fx.Node, int, bool] | None:
     """(kv, repeats, interleaved) when ``node`` repeats the heads (dim 1) of a 4-D ``kv``."""
 
+    def full_slice(n) -> bool:
+        """``x[:, ...]``-style slice of a whole dim (start 0, end past the size, step 1)."""
+        args = n.args
+        return ((len(args) < 3 or args[2] in (0, None))
+                and (len(args) < 4 or args[3] is None or (isinstance(args[3], int) and args[3] >= FULL_SLICE_END))
+                and (len(args) < 5 or args[4] == 1))
+
     def through_full_slices(n):
-        while isinstance(n, fx.Node) and n.target == aten.slice.Tensor and (len(n.args) < 3 or n.args[2] in (0, None)) \
-                and (len(n.args) < 4 or n.args[3] is None or (isinstance(n.args[3], int) and n.args[3] >= FULL_SLICE_END)) \
-                and (len(n.args) < 5 or n.args[4] == 1):
+        while isinstance(n, fx.Node) and n.target == aten.slice.Tensor and full_slice(n):
             n = n.args[0]
         return n
 
@@ -307,3 +311,19 @@ def unrepeated_heads(node: fx.Node) -> tuple[fx.Node, int, bool] | None:
             return None
         return kv, repeats, True
     return None
+
+
+def count_graph_ops(graph: fx.Graph) -> dict[str, int]:
+    """SDPA, softmax and matmul nodes of an FX graph (the proof that attention survived as SDPA)."""
+    counts = {"sdpa": 0, "softmax": 0, "matmul": 0}
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        text = str(node.target)
+        if "scaled_dot_product" in text:
+            counts["sdpa"] += 1
+        elif "softmax" in text:
+            counts["softmax"] += 1
+        elif any(op in text for op in ("aten.bmm", "aten.matmul", "aten.mm.", "aten.baddbmm")):
+            counts["matmul"] += 1
+    return counts

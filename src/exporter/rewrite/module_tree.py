@@ -27,7 +27,9 @@ def replace_submodules(root: nn.Module, replacements: dict[str, nn.Module]) -> n
     new = copy.copy(root)
     new._modules = dict(root._modules)
     for name, below in children.items():
-        new._modules[name] = replace_submodules(root._modules[name], below)
+        child = root._modules[name]
+        assert child is not None, name  # the path came from named_modules()
+        new._modules[name] = replace_submodules(child, below)
     return new
 
 

@@ -53,7 +53,8 @@ def expand_attention_masks(program) -> int:
                 current = graph.call_function(aten.unsqueeze.default, (current, 0))
                 current_val = current_val.unsqueeze(0)
                 current.meta["val"] = current_val
-            sizes = [-1] * (current_val.dim() - 2) + [_size(graph, q, q_val.dim() - 2), _size(graph, k, k_val.dim() - 2)]
+            sizes = [-1] * (current_val.dim() - 2) + [_size(graph, q, q_val.dim() - 2),
+                                                      _size(graph, k, k_val.dim() - 2)]
             expanded = graph.call_function(aten.expand.default, (current, sizes))
             expanded.meta["val"] = current_val.expand(*current_val.shape[:-2], rows, cols)
         if in_args:

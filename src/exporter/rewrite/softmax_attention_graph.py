@@ -31,17 +31,23 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..modelio import IOModule
-from . import graph_sites, probe
-from .audit import REWRITTEN, SKIPPED, AttentionAudit, Site
-from .graph_capture import GraphProgram, capture, program_from_export, traced_module
-from .graph_facts import (NEGATIVE_ENOUGH, Program, dtype, einsum_operands, is_one_element, numel_text, permutation,
-                          shape, static_int, text, unrepeated_heads)
-from .module_tree import compare, run
+from .graph_facts import (
+    NEGATIVE_ENOUGH,
+    Program,
+    dtype,
+    einsum_operands,
+    is_one_element,
+    numel_text,
+    permutation,
+    shape,
+    static_int,
+    text,
+    unrepeated_heads,
+)
 
 aten = torch.ops.aten
-RULE = graph_sites.RULE
-KIND = graph_sites.KIND
+RULE = "softmax_attention_graph"
+KIND = "softmax attention"
 
 PRODUCTS = {aten.matmul.default, aten.bmm.default, aten.baddbmm.default, aten.einsum.default}
 SOFTMAXES = {aten.softmax.int, aten._softmax.default}
@@ -92,10 +98,6 @@ class Found:
     gqa: bool = False
     grouped_query: bool = False
     kv_heads: int | None = None
-
-
-def applies(io: IOModule) -> bool:
-    return True  # rewrite() decides from one eager pass whether there is anything to trace
 
 
 # --------------------------------------------------------------------------- pattern
@@ -465,120 +467,36 @@ def _replace(graph: fx.Graph, found: Found, facts: Program) -> fx.Node:
     return out
 
 
-# --------------------------------------------------------------------------- the rule
+# --------------------------------------------------------------------------- the rule's entry points
 
 
-def _site(found: Found | None, node: fx.Node, root: str, status: str, reason: str = "") -> Site:
-    where, owner = graph_sites.location(node, root)
-    q = found.q.dims if found is not None and found.q is not None else ()
-    heads = static_int(q[-3]) if len(q) == 4 else None
-    kv_heads = found.kv_heads if found is not None and found.kv_heads is not None else heads
-    return Site(where, f"{KIND} in {owner}" if owner else KIND, status, RULE, reason=reason,
-                causal=any(t.causal for t in found.terms) if found else None,
-                masked=(any(not t.causal for t in found.terms) if found else None),
-                grouped_query=(found.grouped_query if found else None), heads=heads, kv_heads=kv_heads,
-                head_dim=static_int(q[-1]) if q else None, node=node.name,
-                pattern=" → ".join(found.ops) if found else "")
+def softmax_nodes(graph: fx.Graph) -> list[fx.Node]:
+    return [n for n in graph.nodes if n.op == "call_function" and n.target in SOFTMAXES]
 
 
-def rewrite_program(ep, root: str, example: list[torch.Tensor]) -> tuple[list[Site], GraphProgram | None]:
-    """Find and rewrite every softmax attention of an exported program; the sites and the rewritten graph."""
-    facts = Program(ep)
-    graph = ep.graph_module.graph
-    graph.eliminate_dead_code()  # e.g. attention weights computed but never used
-    sites: list[Site] = []
-    for softmax in [n for n in graph.nodes if n.op == "call_function" and n.target in SOFTMAXES]:
-        path = _path_to_scores(softmax.args[0], facts)
-        if path is None:
-            continue  # not attention: no product of two activations before it
-        found = Found(softmax, path[0], path[1:], [], None, None, None, None)  # type: ignore[arg-type]
-        try:
-            _scores(found)
-            rank, dim = len(shape(softmax) or ()), softmax.args[1]
-            if dim % max(rank, 1) != rank - 1:
-                raise Skip(f"softmax over dim {dim}, not the key dim (-1)")
-            _logits(found, facts)
-            upcast = softmax.target == aten.softmax.int and len(softmax.args) > 2 and softmax.args[2] is not None
-            found.ops.append("softmax" + (f"({str(softmax.args[2]).replace('torch.', '')})" if upcast else ""))
-            _probs(found, facts)
-            _check(found, facts, example)
-        except Skip as why:
-            sites.append(_site(found if found.q is not None else None, softmax, root, SKIPPED, str(why)))
-            continue
-        sites.append(_site(found, softmax, root, REWRITTEN))
-        _replace(graph, found, facts)
-    graph_sites.unique_locations(sites)
-    if not any(s.status == REWRITTEN for s in sites):
-        return sites, None
-    graph.eliminate_dead_code()
-    graph.lint()
-    ep.graph_module.recompile()
-    return sites, program_from_export(ep)
-
-
-def rewrite(io: IOModule, example: list[torch.Tensor], audit: AttentionAudit) -> IOModule:
-    observation = probe.observe(io, example)
-    graph_sites.record_sdpa_calls(observation, audit)
-    if not observation.softmax_candidates:
-        return io
-    root = type(io.model).__name__
-    locations: list[str] = []
-    sites: list[Site] = []
-
-    def unrewritten(reason: str) -> None:
-        for site in sites:
-            if site.status == REWRITTEN:
-                site.status, site.reason = SKIPPED, reason
-        audit.notes.append(f"{RULE}: {reason}; the model runs unrewritten")
-
-    def build(source: IOModule, sample: list[torch.Tensor]) -> GraphProgram | None:
-        """Trace and rewrite again (after a dtype or device change); the same sites must come out."""
-        where = f"{sample[0].dtype} on {sample[0].device}" if sample else "the new dtype/device"
-        try:
-            again, program = rewrite_program(capture(source, sample), root, sample)
-        except Exception as exc:
-            unrewritten(f"tracing again at {where} failed ({graph_sites.first_line(exc)})")
-            return None
-        now = sorted(s.location for s in again if s.status == REWRITTEN)
-        if program is None:
-            unrewritten(f"tracing again at {where} found no attention to rewrite")
-            return None
-        if now != locations:
-            audit.notes.append(f"{RULE}: tracing again at {where} rewrote {', '.join(now)} "
-                               f"instead of {', '.join(locations)}")
-        return program
-
+def match(softmax: fx.Node, facts: Program, example: list[torch.Tensor]) -> tuple[Found | None, str | None]:
+    """Read the attention that ends in ``softmax``: ``(None, None)`` when it is not attention (no product of
+    two activations before it), ``(found, None)`` when it can be rewritten, ``(found or None, reason)`` when
+    it is attention that cannot be rewritten safely."""
+    path = _path_to_scores(softmax.args[0], facts)
+    if path is None:
+        return None, None
+    found = Found(softmax, path[0], path[1:], [], None, None, None, None)
     try:
-        ep = capture(io, example)
-    except Exception as exc:
-        graph_sites.skip_candidates(observation, audit, root, f"the model could not be traced ({graph_sites.first_line(exc)})")
-        return io
-    try:
-        sites[:], program = rewrite_program(ep, root, example)
-    except Exception as exc:  # a graph this rule cannot handle must not stop the conversion: report it
-        graph_sites.skip_candidates(observation, audit, root, f"the graph rule failed on the traced graph ({graph_sites.first_line(exc)})")
-        return io
-    if program is None:
-        audit.sites.extend(sites)
-        if not sites:
-            audit.notes.append(f"{len(observation.softmax_candidates)} softmax call(s) follow a product of "
-                               "activations but none is attention (no softmax(q·kᵀ)·v in the graph)")
-        return io
-    expected = run(io, example)
-    locations[:] = sorted(s.location for s in sites if s.status == REWRITTEN)
-    module = traced_module(io, example, build, program)
-    try:
-        check = compare(expected, run(module, example))
-    except Exception as exc:
-        check = {"ok": False, "max_abs_error": None, "rel_l2_error": None,
-                 "reason": f"the rewritten graph failed: {graph_sites.first_line(exc)}"}
-    audit.checks.append({"rule": RULE, **check})
-    if not check["ok"]:
-        for s in sites:
-            if s.status == REWRITTEN:
-                s.status, s.reason = SKIPPED, (f"outputs differed after the rewrite "
-                                               f"({check['reason'] or 'rel. L2 error %.2e' % check['rel_l2_error']})")
-        audit.sites.extend(sites)
-        return io
-    audit.sites.extend(sites)
-    return module
+        _scores(found)
+        rank, dim = len(shape(softmax) or ()), softmax.args[1]
+        if dim % max(rank, 1) != rank - 1:
+            raise Skip(f"softmax over dim {dim}, not the key dim (-1)")
+        _logits(found, facts)
+        upcast = softmax.target == aten.softmax.int and len(softmax.args) > 2 and softmax.args[2] is not None
+        found.ops.append("softmax" + (f"({str(softmax.args[2]).replace('torch.', '')})" if upcast else ""))
+        _probs(found, facts)
+        _check(found, facts, example)
+    except Skip as why:
+        return (found if found.q is not None else None), str(why)
+    return found, None
+
+
+def replace(graph: fx.Graph, found: Found, facts: Program) -> fx.Node:
+    """Put one ``scaled_dot_product_attention`` in place of the matched attention."""
+    return _replace(graph, found, facts)

@@ -31,7 +31,7 @@ RULE = "timm_fused_attention"
 
 def _timm_attention_class() -> type | None:
     try:
-        from timm.layers import Attention
+        from timm.layers import Attention  # noqa: PLC0415 - timm is optional
     except Exception:  # timm missing or not importable here (it needs torchvision)
         return None
     return Attention
@@ -42,7 +42,8 @@ def _from_timm(module: nn.Module) -> bool:
 
 
 def _switchable(module: nn.Module, attention: type) -> bool:
-    return isinstance(module, attention) or (_from_timm(module) and isinstance(getattr(module, "fused_attn", None), bool))
+    switchable = _from_timm(module) and isinstance(getattr(module, "fused_attn", None), bool)
+    return isinstance(module, attention) or switchable
 
 
 def applies(io: IOModule) -> bool:

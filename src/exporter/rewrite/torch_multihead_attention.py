@@ -17,6 +17,7 @@ Replacement: a copy of the module (same parameters) whose ``forward`` passes
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -69,13 +70,14 @@ def _calls(io: IOModule, example: list[torch.Tensor]) -> dict[str, dict]:
 
 
 def _site(model: nn.Module, path: str, call: dict, status: str, reason: str = "") -> Site:
-    module = model.get_submodule(path)
+    module: Any = model.get_submodule(path)  # an nn.MultiheadAttention
     owner_path = path.rpartition(".")[0]
     owner = model.get_submodule(owner_path) if owner_path or path else model
     kind = KIND + (f" in nn.{type(owner).__name__}" if isinstance(owner, LAYERS) else "")
     return Site(path or type(model).__name__, kind, status, RULE, reason=reason, causal=call["causal"],
                 masked=call["masked"], grouped_query=False, heads=module.num_heads, kv_heads=module.num_heads,
-                head_dim=module.head_dim, pattern="need_weights=True → need_weights=False" if status == REWRITTEN else "")
+                head_dim=module.head_dim,
+                pattern="need_weights=True → need_weights=False" if status == REWRITTEN else "")
 
 
 def rewrite(io: IOModule, example: list[torch.Tensor], audit: AttentionAudit) -> IOModule:

@@ -29,7 +29,7 @@ def applies(io: IOModule) -> bool:
 
 @contextlib.contextmanager
 def _recording(calls: list[dict[str, Any]]):
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: PLC0415 - transformers is optional
 
     mapping = ALL_ATTENTION_FUNCTIONS._global_mapping
     original = mapping["sdpa"]
@@ -53,7 +53,7 @@ def _recording(calls: list[dict[str, Any]]):
 
 def rewrite(io: IOModule, example: list[torch.Tensor], audit: AttentionAudit) -> IOModule:
     """Return an IOModule over the same model that runs SDPA; add one Site per attention module."""
-    model = io.model
+    model: Any = io.model  # a transformers PreTrainedModel
     names = {id(m): n for n, m in model.named_modules()}
     if not model._can_set_attn_implementation():  # its eager attention is left to softmax_attention_graph
         audit.notes.append(f"{RULE}: {type(model).__name__} does not dispatch attention through AttentionInterface; "

@@ -2,7 +2,7 @@
 
 Loading a package runs native code; on some machines it crashed the process
 inside std::regex until the compiler's libstdc++ was preloaded (see
-exporter.toolchain). Every artifact is loaded in a child process, so a crash
+exporter.targets.toolchain). Every artifact is loaded in a child process, so a crash
 fails this target only.
 """
 
@@ -13,15 +13,14 @@ import time
 import torch
 
 from ..attention_backend import backend_context
-from ..inputs import DTYPES
-from ..runners import Loaded, RunnerSpec
-from ..toolchain import aoti_preload
-from . import BuildContext, Built, register
+from ..inputs import TORCH_DTYPES
+from ..measure.kernels import hook
+from .spec import BuildContext, Built, Loaded, RunnerSpec
+from .toolchain import aoti_preload
 
 FILE = "model.aoti.pt2"
 
 
-@register("aoti", needs_program=True, describe="AOTInductor package (.pt2)")
 def build(ctx: BuildContext) -> list[Built]:
     t0 = time.perf_counter()
     path = ctx.staging / FILE
@@ -38,13 +37,11 @@ def build(ctx: BuildContext) -> list[Built]:
 
 
 def load(spec: RunnerSpec) -> Loaded:
-    runner = torch._inductor.aoti_load_package(spec.path)
+    runner = torch._inductor.aoti_load_package(spec.file())
 
     def call(args):
         out = runner(*args)
         return list(out) if isinstance(out, (list, tuple)) else [out]
 
-    from ..kernels import hook
-
     hint = "an AOTInductor package records its SDPA calls only when compiled with cpp.enable_kernel_profile"
-    return Loaded(call, spec.device, DTYPES[spec.dtype], hooks={"kernels": hook(spec.device, hint)})
+    return Loaded(call, spec.device, TORCH_DTYPES[spec.dtype], hooks={"kernels": hook(spec.device, hint)})

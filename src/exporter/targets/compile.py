@@ -13,12 +13,12 @@ import time
 import torch
 
 from ..attention_backend import backend_context
-from ..inputs import DTYPES
-from ..runners import Loaded, RunnerSpec
-from . import BuildContext, Built, register
+from ..inputs import TORCH_DTYPES
+from ..measure.kernels import hook
+from ..prepare import from_source, place
+from .spec import BuildContext, Built, Loaded, RunnerSpec
 
 
-@register("compile", describe="torch.compile of the rewritten model (benchmark variant)")
 def build(ctx: BuildContext) -> list[Built]:
     built = []
     for mode in ctx.recipe.targets.compile_modes:
@@ -31,9 +31,7 @@ def build(ctx: BuildContext) -> list[Built]:
 
 
 def load(spec: RunnerSpec) -> Loaded:
-    from ..prepare import from_source, place
-
-    prepared = from_source(spec.source)
+    prepared = from_source(spec.model_source())
     module = place(prepared.rewritten, spec.device, spec.dtype)
     compiled = torch.compile(module, mode=spec.option("mode"), dynamic=bool(spec.option("dynamic")))
     info: dict = {"mode": spec.option("mode"), "dynamic": bool(spec.option("dynamic"))}
@@ -49,6 +47,4 @@ def load(spec: RunnerSpec) -> Loaded:
                 return list(out)
             return list(compiled(*args))
 
-    from ..kernels import hook
-
-    return Loaded(call, spec.device, DTYPES[spec.dtype], info, hooks={"kernels": hook(spec.device)})
+    return Loaded(call, spec.device, TORCH_DTYPES[spec.dtype], info, hooks={"kernels": hook(spec.device)})

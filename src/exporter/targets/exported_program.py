@@ -8,30 +8,28 @@ turning back into matmul + softmax (the default table decomposes it).
 from __future__ import annotations
 
 import time
-from pathlib import Path
+from typing import Any
 
 import torch
+from torch.export import default_decompositions
 
-from ..runners import Loaded, RunnerSpec
-from . import BuildContext, Built, count_graph_ops, register
+from ..attention_backend import backend_context
+from ..errors import shorten
+from ..inputs import TORCH_DTYPES
+from ..measure.kernels import hook
+from ..rewrite.graph_facts import count_graph_ops
+from .spec import BuildContext, Built, Loaded, RunnerSpec
 
 FILE = "model.pt2"
 
 
 def decomposition_table():
-    from torch.export import default_decompositions
-
     table = default_decompositions()
     aten = torch.ops.aten
     for op in (aten.scaled_dot_product_attention.default,
                aten._scaled_dot_product_flash_attention_for_cpu.default):
         table.pop(op, None)
     return table
-
-
-def first_line(exc: BaseException, limit: int = 400) -> str:
-    text = " ".join(str(exc).strip().split())
-    return f"{type(exc).__name__}: {text[:limit]}" if text else type(exc).__name__
 
 
 def export_program(ctx: BuildContext):
@@ -56,11 +54,10 @@ def export_module(module, example, plan, notes: list[str]):
         program = torch.export.export(module, tuple(example), dynamic_shapes=plan.export_dynamic_shapes(hints=True),
                                       strict=False)
         notes.append("named dims were rejected by a guard torch could not prove over the declared range "
-                         f"({' '.join(str(exc).split())[:160]}); exported with Dim.DYNAMIC hints of the same range")
+                         f"({shorten(str(exc), 160)}); exported with Dim.DYNAMIC hints of the same range")
     return program.run_decompositions(decomposition_table())
 
 
-@register("exported_program", describe="torch.export program (.pt2)")
 def build(ctx: BuildContext) -> list[Built]:
     t0 = time.perf_counter()
     program = ctx.program
@@ -68,7 +65,7 @@ def build(ctx: BuildContext) -> list[Built]:
     torch.export.save(program, str(path))
     spec = RunnerSpec("exported_program", "exported_program", ctx.device, ctx.dtype, path=str(path),
                       attention_backend=ctx.recipe.runtime.attention_backend)
-    graph = count_graph_ops(program.graph)
+    graph: dict[str, Any] = dict(count_graph_ops(program.graph))
     graph["placeholders"] = [n.name for n in program.graph.nodes if n.op == "placeholder"
                              and n.name in ctx.plan.names]
     return [Built("exported_program", "exported_program", spec, path, [path],
@@ -76,16 +73,11 @@ def build(ctx: BuildContext) -> list[Built]:
 
 
 def load(spec: RunnerSpec) -> Loaded:
-    from ..attention_backend import backend_context
-
-    program = torch.export.load(str(Path(spec.path)))
+    program = torch.export.load(spec.file())
     module = program.module()
 
     def call(args):
         with backend_context(spec.attention_backend, spec.device):
             return list(module(*args))
 
-    from ..inputs import DTYPES
-    from ..kernels import hook
-
-    return Loaded(call, spec.device, DTYPES[spec.dtype], hooks={"kernels": hook(spec.device)})
+    return Loaded(call, spec.device, TORCH_DTYPES[spec.dtype], hooks={"kernels": hook(spec.device)})

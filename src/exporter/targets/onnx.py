@@ -17,12 +17,18 @@ import collections
 import contextlib
 import time
 
+import numpy as np
+import onnx
+import onnxruntime as ort
+import onnxscript.optimizer
 import torch
 
-from ..inputs import DTYPES
+from ..inputs import TORCH_DTYPES
+from ..measure.kernels import onnxruntime_hook
+from ..numerics.reference import cast_in_place
 from ..rewrite.onnx_attention_masks import expand_attention_masks
-from ..runners import Loaded, RunnerSpec
-from . import BuildContext, Built, register
+from .exported_program import export_module
+from .spec import BuildContext, Built, Loaded, RunnerSpec
 
 FILE = "model.onnx"
 # Above this, weights go to model.onnx.data: saving them inside the .onnx serialises the whole model in
@@ -31,8 +37,6 @@ EXTERNAL_DATA_BYTES = 256 * 2**20
 
 
 def choose_provider(device: str) -> str:
-    import onnxruntime as ort
-
     available = ort.get_available_providers()
     if device.startswith("cuda") and "CUDAExecutionProvider" in available:
         return "CUDAExecutionProvider"
@@ -42,9 +46,6 @@ def choose_provider(device: str) -> str:
 @contextlib.contextmanager
 def _float32_program(ctx: BuildContext):
     """Export the model again in float32 on the CPU, casting in place (no second copy) until the ONNX file is saved."""
-    from ..reference import cast_in_place
-    from .exported_program import export_module
-
     example = [(t.float() if t.is_floating_point() else t).cpu() for t in ctx.example]
     with cast_in_place(ctx.io, torch.float32, "cpu"):
         yield export_module(ctx.io, example, ctx.plan, [])
@@ -59,16 +60,10 @@ def optimize(onnx_program) -> None:
     expected to have the same shape as input x"), so those fusions are left out.
     SDPA still becomes ``Attention``: that happens when the graph is translated.
     """
-    import onnxscript.optimizer
-
     onnxscript.optimizer.optimize_ir(onnx_program.model)
 
 
-@register("onnx", requires=("onnx", "onnxruntime", "onnxscript"), needs_program=True,
-          describe="ONNX (dynamo exporter) run with onnxruntime")
 def build(ctx: BuildContext) -> list[Built]:
-    import onnx
-
     t0 = time.perf_counter()
     notes = []
     provider = choose_provider(ctx.device)
@@ -95,6 +90,8 @@ def build(ctx: BuildContext) -> list[Built]:
         onnx_program = torch.onnx.export(program, (), dynamo=True, opset_version=ctx.recipe.targets.onnx_opset,
                                          input_names=list(ctx.plan.names), output_names=list(ctx.io.signature.outputs),
                                          verbose=False, optimize=False)
+        if onnx_program is None:  # only the legacy exporter returns nothing
+            raise RuntimeError("torch.onnx.export returned no ONNX program")
         optimize(onnx_program)
         size = sum(t.numel() * t.element_size() for t in program.state_dict.values())
         external = size > EXTERNAL_DATA_BYTES
@@ -103,7 +100,8 @@ def build(ctx: BuildContext) -> list[Built]:
     onnx.checker.check_model(str(path), full_check=True)
     proto = onnx.load(str(path), load_external_data=False)
     ops = collections.Counter(node.op_type for node in proto.graph.node)
-    files = [path] + ([path.with_name(path.name + ".data")] if external and path.with_name(path.name + ".data").exists() else [])
+    data = path.with_name(path.name + ".data")
+    files = [path] + ([data] if external and data.exists() else [])
     graph = {"attention": ops.get("Attention", 0), "softmax": ops.get("Softmax", 0), "matmul": ops.get("MatMul", 0),
              "opset": next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None),
              "inputs": [i.name for i in proto.graph.input], "outputs": [o.name for o in proto.graph.output],
@@ -113,20 +111,15 @@ def build(ctx: BuildContext) -> list[Built]:
 
 
 def load(spec: RunnerSpec) -> Loaded:
-    import numpy as np
-    import onnxruntime as ort
-
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    session = ort.InferenceSession(spec.path, sess_options=options, providers=[spec.option("provider")])
+    session = ort.InferenceSession(spec.file(), sess_options=options, providers=[spec.option("provider")])
     names = [i.name for i in session.get_inputs()]
 
     def call(args):
         feed = {name: np.ascontiguousarray(t.detach().cpu().numpy()) for name, t in zip(names, args)}
         return [torch.from_numpy(np.asarray(o)) for o in session.run(None, feed)]
 
-    from ..kernels import onnxruntime_hook
-
     return Loaded(call, "cpu" if spec.option("provider") == "CPUExecutionProvider" else spec.device,
-                  DTYPES[spec.dtype], {"provider": spec.option("provider")},
-                  hooks={"kernels": onnxruntime_hook(spec.path, spec.option("provider"))})
+                  TORCH_DTYPES[spec.dtype], {"provider": spec.option("provider")},
+                  hooks={"kernels": onnxruntime_hook(spec.file(), spec.option("provider"))})

@@ -3,12 +3,8 @@ reason, when torch_tensorrt cannot be imported (TensorRT's runtime is not instal
 
 from __future__ import annotations
 
-from . import BuildContext, Built, register
+from .spec import BuildContext, Built
 
 
-@register("tensorrt", requires=("torch_tensorrt", "tensorrt"), needs_program=True, describe="Torch-TensorRT")
 def build(ctx: BuildContext) -> list[Built]:
     raise NotImplementedError("building Torch-TensorRT engines is not implemented yet")
-
-
-load = None

@@ -42,6 +42,12 @@ import tempfile
 from typing import Any, Callable, Iterable
 
 import torch
+from torch.profiler import ProfilerActivity
+from torch.profiler import profile as torch_profile
+
+from ..errors import describe
+from ..targets.spec import failure_reason
+from .backend_choice import why_not
 
 BACKENDS = ("flash", "efficient", "cudnn", "math", "other")
 
@@ -117,7 +123,7 @@ def classify(events: Iterable[tuple[str, bool]], device: str = "cpu") -> dict[st
                 softmax_kernels += 1
             evidence[name] += 1
     softmax = softmax_ops or softmax_kernels
-    for source, counts in (("aten ops", ops), ("aoti shims", shims), ("device kernels", kernels)):
+    for source, counts in (("aten ops", ops), ("aoti shims", shims), ("device kernels", kernels)):  # noqa: B007 - read after the loop
         if counts:
             break
     else:
@@ -135,9 +141,6 @@ def classify(events: Iterable[tuple[str, bool]], device: str = "cpu") -> dict[st
 
 def profile(call: Callable[[], Any], device: str = "cpu", warmup: int = 1) -> dict[str, Any]:
     """Run ``call`` ``warmup`` times, then once under ``torch.profiler``, and classify what ran."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
     cuda = device.startswith("cuda") and torch.cuda.is_available()
     with torch.inference_mode():
         for _ in range(warmup):
@@ -151,7 +154,8 @@ def profile(call: Callable[[], Any], device: str = "cpu", warmup: int = 1) -> di
                 torch.cuda.synchronize()
     events = []
     for event in prof.events():
-        on_device = getattr(event, "device_type", None) is not None and event.device_type != torch.autograd.DeviceType.CPU
+        kind = getattr(event, "device_type", None)
+        on_device = kind is not None and kind != torch.autograd.DeviceType.CPU
         events.append((event.name, on_device))
     return classify(events, device)
 
@@ -179,8 +183,8 @@ def hook(device: str, hint: str = "") -> Callable[..., dict[str, Any]]:
 
 def onnxruntime_profile(path: str, provider: str, inputs: list[torch.Tensor]) -> dict[str, Any]:
     """Run an ONNX model once (after a warm-up) with onnxruntime's profiler and count the ops its nodes ran."""
-    import numpy as np
-    import onnxruntime as ort
+    import numpy as np  # noqa: PLC0415 - only with onnxruntime
+    import onnxruntime as ort  # noqa: PLC0415 - onnxruntime is needed only for an ONNX artifact
 
     with tempfile.TemporaryDirectory() as folder:
         options = ort.SessionOptions()
@@ -218,3 +222,39 @@ def onnxruntime_hook(path: str, provider: str) -> Callable[..., dict[str, Any]]:
 
 
 __all__ = ["classify", "profile", "hook", "onnxruntime_profile", "onnxruntime_hook", "BACKENDS"]
+
+
+def audit_kernels(live: dict[str, Any], sample, results, preferred: str) -> tuple[Any, Any]:
+    """Which attention kernels each variant actually ran (one profiled call each), and why: PyTorch's own
+    verdict on each SDPA call of the rewritten model (``backend_choice``). A note goes on each variant that ran
+    something other than the preferred backend, or the math backend.
+
+    Returns (eager's kernels, the verdict). The audit explains; it never fails a variant.
+    """
+    by_name = {r.name: r for r in results}
+    eager = None
+    try:
+        choice = live["rewritten"].call("sdpa_choice", sample)
+    except Exception as exc:
+        choice = {"error": describe(exc), "calls": []}
+    for name, runner in live.items():
+        try:
+            found = runner.call("kernels", sample)
+        except Exception as exc:
+            found = {"source": "error", "note": failure_reason(exc)}
+        if name == "eager":
+            eager = found
+            continue
+        result = by_name.get(name)
+        if result is None:
+            continue
+        result.info["kernels"] = found
+        ran = set(found.get("backends") or {})
+        if preferred != "auto" and ran and preferred not in ran:
+            why = why_not(choice, preferred)
+            result.notes.append(f"attention backend: {preferred} was preferred, {', '.join(sorted(ran))} ran"
+                                + (f" ({why})" if why else ""))
+        elif "math" in ran:
+            why = "; ".join(f"{b}: {w}" for b in ("flash", "cudnn", "efficient") if (w := why_not(choice, b)))
+            result.notes.append("attention ran on the math backend" + (f" ({why})" if why else ""))
+    return eager, choice

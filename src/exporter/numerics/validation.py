@@ -1,4 +1,4 @@
-"""Stage 6, validate numerics: run every candidate on every sample and judge it against the float64 reference.
+"""The validate stage: run every candidate on every sample and judge it against the float64 reference.
 
 Artifacts run in their own processes (``RemoteRunner``); the eager models run
 here. Each candidate is judged against the eager model at the candidate's own
@@ -14,14 +14,20 @@ from typing import Any, Callable
 
 import torch
 
-from .grid import GridPlan, describe_signature, point_sample
-from .inputs import DTYPES, InputPlan
-from .modelio import IOModule, Signature
-from .numerics import judge, ratio
-from .recipe import Recipe
+from ..errors import describe
+from ..inputs import TORCH_DTYPES, InputPlan
+from ..measure import backend_choice
+from ..measure.kernels import hook
+from ..modelio import IOModule, Signature
+from ..recipe import Recipe
+from ..results import FAILED, NUMERICS_FAILED, OK, VariantResult
+from ..rewrite.graph_capture import TracedModule
+from ..runners import LocalRunner, RemoteRunner, RunnerFailed
+from ..targets.spec import Loaded, RunnerSpec
+from .grid import GridPlan, artifact_signature, describe_signature, plan_grid, point_sample
+from .locate import locate
 from .reference import Reference, cast_in_place, run_reference
-from .results import FAILED, NUMERICS_FAILED, OK, VariantResult
-from .runners import LocalRunner, Loaded, RemoteRunner, RunnerFailed, RunnerSpec
+from .tolerance import judge, ratio
 
 # What localisation replays for each kind of candidate (the report quotes these).
 REPLAYED = {
@@ -29,7 +35,8 @@ REPLAYED = {
     "exported_program": "the rewritten eager model's submodules (the model the program was exported from)",
     "aoti": "the rewritten eager model's submodules: an AOTInductor package is monolithic",
     "onnx": "the rewritten eager model's submodules: an ONNX model is monolithic",
-    "compile": "the rewritten eager model's submodules: torch.compile's kernels cannot be replayed one module at a time",
+    "compile": "the rewritten eager model's submodules: torch.compile's kernels cannot be replayed one module at a "
+               "time",
 }
 PROGRAM_REPLAYED = {
     "rewritten": "the submodules of the exported program of the rewritten model (torch.export.unflatten), run end "
@@ -56,12 +63,9 @@ class Validation:
         self.runners: list[Any] = []
 
     def local(self, name: str, module: torch.nn.Module, device: str, dtype: str) -> LocalRunner:
-        from . import backend_choice
-        from .kernels import hook
-
         hooks = {"kernels": hook(device),
                  "sdpa_choice": backend_choice.hook(device, self.recipe.runtime.attention_backend)}
-        runner = LocalRunner(name, Loaded(lambda args: list(module(*args)), device, DTYPES[dtype], hooks=hooks))
+        runner = LocalRunner(name, Loaded(lambda args: list(module(*args)), device, TORCH_DTYPES[dtype], hooks=hooks))
         self.runners.append(runner)
         return runner
 
@@ -76,8 +80,8 @@ class Validation:
         return self.baselines[key]
 
     def eager_outputs(self, samples: list[list[torch.Tensor]], device: str, dtype: str):
-        with cast_in_place(self.original, DTYPES[dtype], device), torch.inference_mode():
-            runner = LocalRunner("eager", Loaded(lambda a: list(self.original(*a)), device, DTYPES[dtype]))
+        with cast_in_place(self.original, TORCH_DTYPES[dtype], device), torch.inference_mode():
+            runner = LocalRunner("eager", Loaded(lambda a: list(self.original(*a)), device, TORCH_DTYPES[dtype]))
             return runner.run(samples)
 
     def where(self, result: VariantResult) -> tuple[str, str]:
@@ -122,7 +126,7 @@ class Validation:
                     if self.where(result) not in baselines:
                         baselines[self.where(result)] = self.eager_outputs([ordered], *self.where(result))
             except Exception as exc:  # the recipe declares sizes the model itself cannot take
-                reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+                reason = describe(exc, 300)
                 self.warnings.append(f"shape grid: the original model fails at {point.name} {point.sizes} "
                                      f"({reason}); that point is not checked: narrow inputs.dims to what the "
                                      "model supports")
@@ -173,14 +177,53 @@ class Validation:
                         f"shape grid: {len(failed)} of {len(entry['points'])} points failed; "
                         f"first {first['name']} {first['sizes']}: {first['error']}")
 
+    def grid_and_locate(self, results: list[VariantResult], live: dict[str, Any], plan: InputPlan, program,
+                        rewritten: IOModule, staging: Path, progress) -> GridPlan | None:
+        """The shape grid for every loaded candidate but the compile variants, then localisation of each failure.
+
+        Returns the grid's plan (None without one); the run's warnings land in ``self.warnings``.
+        """
+        recipe = self.recipe
+        grid = plan_grid(plan, recipe.numerics, recipe.inputs.seed)
+        why_not = ("numerics.grid = false" if not recipe.numerics.grid
+                   else "the recipe declares no dynamic dim" if grid is None else "")
+        candidates, signatures = [], {}
+        for result in results:
+            if result.name not in live or result.numerics is None:
+                continue
+            if result.target == "compile":
+                result.numerics.grid = {"checked": False, "passed": True, "points": [],
+                                        "reason": "a benchmark variant (static shapes, no artifact): not on the grid"}
+                continue
+            candidates.append((result, live[result.name]))
+            try:
+                signatures[result.name] = artifact_signature(result, plan, program, staging)
+            except Exception as exc:  # reading a signature must not fail the run: the grid still runs the shapes
+                signatures[result.name] = {"signature_source": f"unreadable ({describe(exc)})"}
+        detail = f"{len(grid.points)} points x {len(candidates)} candidates" if grid else f"skipped: {why_not}"
+        with progress.stage("shape grid", detail):
+            self.check_grid(grid, plan, candidates, signatures, why_not)
+        for result, runner in candidates:
+            process = getattr(runner, "process", None)
+            if process is not None and process.poll() is not None:
+                live.pop(result.name, None)
+        failing = [r for r in results if r.status == NUMERICS_FAILED]
+        if recipe.numerics.locate and failing:
+            with progress.stage("locate divergence", ", ".join(r.name for r in failing)):
+                for result in failing:
+                    try:
+                        self.locate(result, rewritten, plan, grid, program)
+                    except Exception as exc:  # localisation explains a failure; it never hides one
+                        self.warnings.append(f"{result.name}: localisation failed: {describe(exc)}")
+                        self._detail(result.name, f"localisation failed: {exc!r}\n")
+        return grid
+
     # ----------------------------------------------------------------------- localisation
 
     def locate(self, result: VariantResult, counterpart: IOModule, plan: InputPlan, grid: GridPlan | None = None,
                program=None, sample_index: int | None = None) -> None:
         """Find the first divergent module of a candidate that failed numerics: on ``sample_index``, else on its
         worst failing sample, else on its worst failing grid point."""
-        from .locate import locate
-
         if result.numerics is None:
             return
         device, dtype = self.where(result)
@@ -189,18 +232,19 @@ class Validation:
         if sample_index is not None:
             if sample_index < 0 or sample_index >= len(self.samples):
                 return
-            sample, where = self.samples[sample_index], {"sample": sample_index}
+            sample = self.samples[sample_index]
+            where: dict[str, Any] = {"sample": sample_index}
         else:
-            failed = [p for p in (result.numerics.grid or {}).get("points", []) if p["passed"] is False and p.get("ratio")]
+            failed = [p for p in (result.numerics.grid or {}).get("points", [])
+                      if p["passed"] is False and p.get("ratio")]
             point = next((p for p in (grid.points if grid else []) if failed and p.name == failed[0]["name"]), None)
             if point is None:
                 return
             generated = point_sample(plan, point)
-            sample, where = [generated[n] for n in self.signature.inputs], {"grid_point": point.name}
+            sample = [generated[n] for n in self.signature.inputs]
+            where = {"grid_point": point.name}
         same_program = program is not None and (device, dtype) == (self.recipe.runtime.device,
                                                                    self.recipe.runtime.dtype)
-        from .rewrite.graph_capture import TracedModule
-
         graph_rewritten = result.target == "rewritten" and isinstance(counterpart, TracedModule)
         use_program = same_program and result.target in PROGRAM_REPLAYED and (
             result.target != "rewritten" or graph_rewritten)

@@ -25,10 +25,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import onnx
 import torch
 
-from .inputs import InputPlan, concrete_shape, generate_sample
-from .recipe import NumericsSection
+from ..inputs import InputPlan, concrete_shape, generate_sample
+from ..recipe import NumericsSection
 
 GRID_SEED_OFFSET = 1000  # grid point i uses inputs.seed + 1000 + i, apart from the samples' seeds
 
@@ -153,8 +154,6 @@ def program_signature(program, plan: InputPlan) -> dict[str, Any]:
 
 def onnx_signature(path: str | Path, plan: InputPlan) -> dict[str, Any]:
     """Which declared dynamic dims the ONNX graph inputs hold as fixed sizes (dim_value instead of dim_param)."""
-    import onnx
-
     proto = onnx.load(str(path), load_external_data=False)
     inputs = {i.name: i for i in proto.graph.input}
     specialised = []
@@ -168,14 +167,27 @@ def onnx_signature(path: str | Path, plan: InputPlan) -> dict[str, Any]:
     return {"specialised": specialised, "narrowed": []}
 
 
+def artifact_signature(result, plan: InputPlan, program, staging: Path) -> dict[str, Any]:
+    """What an artifact's own signature says about the recipe's dynamic dims (empty when it has none to read)."""
+    if result.target in ("exported_program", "aoti") and program is not None:
+        source = ("exported program placeholders and range constraints" if result.target == "exported_program"
+                  else "the exported program the package was compiled from")
+        return {**program_signature(program, plan), "signature_source": source}
+    if result.target == "onnx" and result.path is not None:
+        return {**onnx_signature(staging / result.path, plan), "signature_source": "model.onnx graph inputs"}
+    return {}
+
+
 def describe_signature(signature: dict[str, Any]) -> list[str]:
     """One note per fixed or narrowed dim."""
     notes = [f"input {s['input']} axis {s['axis']}: the recipe declares dim {s['dim']} dynamic, the artifact fixed "
              f"it at {s['size']}" for s in signature.get("specialised", [])]
     notes += [f"input {s['input']} axis {s['axis']}: dim {s['dim']} declared {s['declared'][0]}..{s['declared'][1]}, "
-              f"the artifact accepts only {s['exported'][0]}..{s['exported'][1]}" for s in signature.get("narrowed", [])]
+              f"the artifact accepts only {s['exported'][0]}..{s['exported'][1]}"
+              for s in signature.get("narrowed", [])]
     return notes
 
 
 __all__ = ["GridPoint", "GridPlan", "plan_grid", "point_sample", "program_signature", "onnx_signature",
+           "artifact_signature",
            "describe_signature", "elements"]

@@ -10,12 +10,14 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+import psutil
 import torch
 import torch.nn as nn
+from torch.utils.flop_counter import FlopCounterMode
 
-from .errors import ReferenceFailed
-from .inputs import cast_sample
-from .modelio import IOModule
+from ..errors import ReferenceFailed, describe
+from ..inputs import cast_sample
+from ..modelio import IOModule
 
 Outputs = list[torch.Tensor]
 
@@ -47,8 +49,9 @@ def cast_in_place(model: nn.Module, dtype: torch.dtype | None, device: str = "cp
                 owner, _, leaf = name.rpartition(".")
                 module = model.get_submodule(owner) if owner else model
                 restored = tensor.data.to(device=original_device, dtype=original_dtype)
-                if leaf in module._parameters:
-                    module._parameters[leaf].data = restored
+                parameter = module._parameters.get(leaf)
+                if parameter is not None:
+                    parameter.data = restored
                 else:
                     module._buffers[leaf] = restored
 
@@ -86,8 +89,6 @@ def upcast_while_running(model: nn.Module, dtype: torch.dtype):
 def _whole_model_dtype(model: nn.Module) -> tuple[torch.dtype, str]:
     """float64 when a float64 copy of the model fits in free memory, else float32 (with a note)."""
     try:
-        import psutil
-
         available = psutil.virtual_memory().available
     except Exception:
         return torch.float64, ""
@@ -105,8 +106,6 @@ def _run(io: IOModule, samples, dtype: torch.dtype, count_flops: bool) -> tuple[
         for index, sample in enumerate(samples):
             args = cast_sample(sample, dtype)
             if index == 0 and count_flops:
-                from torch.utils.flop_counter import FlopCounterMode
-
                 counter = FlopCounterMode(display=False)
                 with counter:
                     result = io(*args)
@@ -130,16 +129,15 @@ def run_reference(io: IOModule, samples: list[dict[str, torch.Tensor]], count_fl
                 outputs, flops = _run(io, samples, torch.float64, count_flops)
             return Reference(outputs, "float64", flops)
         except RuntimeError as exc:
-            first = " ".join(str(exc).split())[:160]
+            first = describe(exc, 160)
             dtype, note = _whole_model_dtype(io)
             note = (note + "; " if note else "") + f"per-module upcast failed ({first}); whole model cast instead"
         try:
             with cast_in_place(io, dtype):
                 outputs, flops = _run(io, samples, dtype, count_flops)
         except Exception as exc:
-            text = " ".join(str(exc).split())[:300]
             raise ReferenceFailed(f"the original model does not run in {str(dtype).replace('torch.', '')} on the "
-                                  f"CPU ({type(exc).__name__}: {text}), so no reference can be computed",
+                                  f"CPU ({describe(exc, 300)}), so no reference can be computed",
                                   "make the model run in float64 on the CPU (ops without a float64 kernel cannot)"
                                   ) from None
     return Reference(outputs, str(dtype).replace("torch.", ""), flops, note)

@@ -26,10 +26,16 @@ import warnings
 from typing import Any, Callable
 
 import torch
+from torch.backends.cuda import (
+    SDPAParams,
+    can_use_cudnn_attention,
+    can_use_efficient_attention,
+    can_use_flash_attention,
+)
 from torch.overrides import TorchFunctionMode
 
-from .attention_backend import backend_context
-from .rewrite.probe import is_sdpa, sdpa_arguments
+from ..attention_backend import backend_context
+from ..rewrite.probe import is_sdpa, sdpa_arguments
 
 CHECKS = ("flash", "efficient", "cudnn")
 _CHOICE = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}  # at::SDPBackend values
@@ -100,8 +106,6 @@ def _check(fn: Callable, params) -> tuple[bool, list[str]]:
 
 def explain_call(call: dict[str, Any], preference: str = "auto") -> dict[str, Any]:
     """PyTorch's verdict on one SDPA call: per backend ``{"usable", "reasons"}``, and the backend it picks."""
-    from torch.backends.cuda import (SDPAParams, can_use_cudnn_attention, can_use_efficient_attention,
-                                     can_use_flash_attention)
 
     q, k, v, mask = call["query"], call["key"], call["value"], call["attn_mask"]
     params = SDPAParams(q, k, v, mask, float(call["dropout_p"]), bool(call["is_causal"]), bool(call["enable_gqa"]))

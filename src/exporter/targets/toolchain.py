@@ -32,7 +32,7 @@ def process_libstdcxx() -> set[str]:
 def compiler_libstdcxx() -> str | None:
     """The libstdc++ that Inductor's C++ compiler links against, or None when unknown."""
     try:
-        from torch._inductor.cpp_builder import get_cpp_compiler
+        from torch._inductor.cpp_builder import get_cpp_compiler  # noqa: PLC0415 - a private API some torch versions lack
 
         cxx = get_cpp_compiler()
         out = subprocess.run([cxx, "-print-file-name=libstdc++.so.6"], capture_output=True, text=True, timeout=30)

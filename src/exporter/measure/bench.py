@@ -17,6 +17,9 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from ..results import FAILED
+from ..targets.spec import RunnerFailed, failure_reason
+
 
 def time_calls(fn: Callable[[], object], count: int, device: str) -> list[float]:
     """Milliseconds of each of ``count`` calls of ``fn``, after one untimed call.
@@ -158,3 +161,40 @@ def run_benchmark(live: dict[str, Any], sample, warmup: int, rounds: int, iterat
 
     variants = [r for n, r in live.items() if n not in failed]
     return interleaved(variants, warmup, rounds, iterations, on_error), failed
+
+
+def benchmark(live: dict[str, Any], sample, results, settings, device: str, flops: int, batch: int):
+    """Time every live variant against the eager baseline; fill each result's ``bench``.
+
+    Returns (the eager baseline's entry, warnings). A variant that fails while timed is failed with the reason.
+    """
+    by_name = {r.name: r for r in results}
+    warnings: list[str] = []
+    timings, failed = run_benchmark(live, sample, settings.warmup, settings.rounds, settings.iterations,
+                                    failure_reason)
+    for name, reason in failed.items():
+        if name in by_name:
+            by_name[name].fail(FAILED, f"benchmark: {reason}")
+        warnings.append(f"{name}: benchmark failed: {reason}")
+    eager_bench = None
+    for name, runner in live.items():
+        if name not in timings:
+            continue
+        entry = summarize(timings[name], batch, flops, settings.peak_tflops)
+        with contextlib.suppress(RunnerFailed):
+            entry.update(runner.memory())
+        entry["load_s"] = runner.load_s
+        if name == "eager":
+            eager_bench = entry
+        else:
+            by_name[name].bench = entry
+    for result in results:
+        if result.bench and eager_bench:
+            if result.device == device:
+                result.bench["speedup_vs_eager"] = eager_bench["median_ms"] / result.bench["median_ms"]
+            else:
+                result.bench["speedup_vs_eager"] = None
+                result.notes.append(f"timed on {result.device}; the eager baseline ran on {device}: no speedup")
+        if result.info.get("compile_s") is not None:
+            result.build_s = result.info["compile_s"]
+    return eager_bench, warnings

@@ -1,4 +1,4 @@
-"""Numerics: comparison metrics and the tolerance policy.
+"""The tolerance policy and its metrics: one rule for convert, validate and verify.
 
 The reference is the original model (eager attention, not rewritten) run in
 float64 on the CPU. Each candidate is compared with it per sample and per
@@ -8,9 +8,10 @@ output. The gate is the rule PyTorch's own benchmark harness uses
     rmse(candidate, ref64) <= k * rmse(eager_in_same_dtype, ref64) + atol
 
 so a candidate may be at most ``k`` times as wrong as the original model
-already is at that precision, plus an absolute floor. ``k`` defaults to 2 for
-float32 and 3 for bfloat16/float16. NaN or Inf where the reference is finite
-always fails; integer and boolean outputs must match exactly.
+already is at that precision, plus an absolute floor (``k``'s defaults:
+``recipe.K_DEFAULTS``). NaN or Inf where the reference is finite always fails;
+integer and boolean outputs must match exactly. ``exporter verify`` applies the
+same check with the bar convert stored (:func:`check_against`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 Outputs = list[torch.Tensor]  # one model run: outputs in signature order
+
+RULE = "rmse(candidate, ref) <= k * rmse(eager in the candidate's dtype, ref) + atol"
 
 
 @dataclass
@@ -104,6 +107,17 @@ def metrics(reference: torch.Tensor, candidate: torch.Tensor) -> dict[str, float
 
 def check_output(name: str, sample: int, reference: torch.Tensor, baseline: torch.Tensor, candidate: torch.Tensor,
                  k: float, atol: float) -> OutputCheck:
+    """The rule: the bar is ``k * rmse(baseline, reference) + atol``."""
+    comparable = tuple(candidate.shape) == tuple(reference.shape) and reference.is_floating_point()
+    base = metrics(reference, baseline)["rmse"] if comparable else 0.0
+    return check_against(name, sample, reference, candidate, k * base + atol, base,
+                         f"k={k:g} x baseline {base:.3g} + atol {atol:g}")
+
+
+def check_against(name: str, sample: int, reference: torch.Tensor, candidate: torch.Tensor, allowed: float,
+                  baseline_rmse: float = 0.0, explain: str = "") -> OutputCheck:
+    """``candidate`` against ``reference`` with a given bar (``allowed`` RMSE): a shape that differs, an integer
+    output that differs, or NaN/Inf where the reference is finite fails whatever the bar."""
     if tuple(candidate.shape) != tuple(reference.shape):
         return OutputCheck(name, sample, math.inf, math.inf, math.inf, 0.0, math.inf, 0.0, 0.0, False,
                            f"shape {list(candidate.shape)} differs from the reference's {list(reference.shape)}")
@@ -113,8 +127,6 @@ def check_output(name: str, sample: int, reference: torch.Tensor, baseline: torc
         return OutputCheck(name, sample, value, value, value, 1.0 if equal else 0.0, value, 0.0, 0.0, equal,
                            "" if equal else "integer output differs")
     m = metrics(reference, candidate)
-    base = metrics(reference, baseline)["rmse"]
-    allowed = k * base + atol
     ref_finite = torch.isfinite(reference.cpu())
     cand_finite = torch.isfinite(candidate.detach().cpu())
     nonfinite = int((ref_finite & ~cand_finite).sum())
@@ -124,8 +136,8 @@ def check_output(name: str, sample: int, reference: torch.Tensor, baseline: torc
         passed = False
         reason = f"{nonfinite} NaN/Inf value(s) where the reference is finite"
     elif not passed:
-        reason = f"rmse {m['rmse']:.3g} > allowed {allowed:.3g} (k={k:g} x baseline {base:.3g} + atol {atol:g})"
-    return OutputCheck(name, sample, m["max_abs"], m["max_rel"], m["rel_l2"], m["cosine"], m["rmse"], base,
+        reason = f"rmse {m['rmse']:.3g} > allowed {allowed:.3g}" + (f" ({explain})" if explain else "")
+    return OutputCheck(name, sample, m["max_abs"], m["max_rel"], m["rel_l2"], m["cosine"], m["rmse"], baseline_rmse,
                        allowed, passed, reason)
 
 

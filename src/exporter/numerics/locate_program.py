@@ -3,7 +3,7 @@
 Export does not preserve module call signatures, so an unflattened submodule cannot take the inputs
 recorded from the eager model (its placeholders are whatever graph values flow into it). Instead the
 program runs end to end in the candidate's dtype with hooks on its submodules, and each submodule's
-output is compared with the reference module's output (from :func:`exporter.locate.record_reference`),
+output is compared with the reference module's output (from :func:`exporter.numerics.locate.record_reference`),
 against the eager model's own error at that module. See docs/numerics.md.
 """
 
@@ -13,11 +13,22 @@ from typing import Any
 
 import torch
 
-from .attention_backend import backend_context
-from .locate import Call, _context, _error, _finding, _floats, _pair_by_shape, _paired, _verdict, floor_for, hooks_on
-from .modelio import IOModule
-from .numerics import check_output
+from ..attention_backend import backend_context
+from ..modelio import IOModule
+from .module_checks import (
+    Call,
+    finding_of,
+    floats,
+    floor_for,
+    hooks_on,
+    input_error,
+    pair_by_shape,
+    paired,
+    run_context,
+    verdict_of,
+)
 from .reference import cast_in_place
+from .tolerance import check_output
 
 
 def in_program(program, calls: list[Call], original: IOModule, sample: list[torch.Tensor], device: str,
@@ -44,35 +55,35 @@ def in_program(program, calls: list[Call], original: IOModule, sample: list[torc
         def post(path, module, args, kwargs, output):
             index = counts.get(path, 0)
             counts[path] = index + 1
-            store[(path[strip:], index)] = ([t.detach().cpu() for t in _floats((args, kwargs))],
-                                            [t.detach().cpu() for t in _floats(output)])
+            store[(path[strip:], index)] = ([t.detach().cpu() for t in floats((args, kwargs))],
+                                            [t.detach().cpu() for t in floats(output)])
         return post
 
     args = [(t.to(dtype) if t.is_floating_point() else t).to(device) for t in sample]
     with torch.inference_mode():
         with hooks_on(unflat, wanted, None, recorder(graph, len(prefix))), backend_context(backend, device):
             unflat(*args)
-        with cast_in_place(original, dtype, device), _context(original, backend, device), \
+        with cast_in_place(original, dtype, device), run_context(original, backend, device), \
                 hooks_on(original.model, {c.path for c in calls}, None, recorder(baseline, 0)):
             original(*args)
 
     def output_verdict(call: Call) -> dict[str, Any] | None:
-        got, base, ref = graph.get((call.path, call.index)), baseline.get((call.path, call.index)), _floats(call.output)
+        got, base, ref = graph.get((call.path, call.index)), baseline.get((call.path, call.index)), floats(call.output)
         if got is None or base is None or not ref or len(base[1]) != len(ref):
             return None
-        pairs = _pair_by_shape(ref, got[1])
+        pairs = pair_by_shape(ref, got[1])
         if not pairs:
             return None
-        return _verdict([check_output(f"output {i}", 0, ref[i], base[1][i], g, k, floor_for(atol, ref[i]))
+        return verdict_of([check_output(f"output {i}", 0, ref[i], base[1][i], g, k, floor_for(atol, ref[i]))
                          for i, g in pairs])
 
     def inputs_clean(call: Call) -> bool:
-        ref = _floats((call.args, call.kwargs))
+        ref = floats((call.args, call.kwargs))
         got, base = graph[(call.path, call.index)][0], baseline[(call.path, call.index)][0]
-        pairs = _pair_by_shape(ref, got)
+        pairs = pair_by_shape(ref, got)
         if not pairs or len(base) != len(ref):
             return True  # nothing to tell: take the module at its word
-        r, g = _paired(ref, pairs)
+        r, g = paired(ref, pairs)
         b = torch.cat([base[i].detach().reshape(-1).to("cpu", torch.float64) for i, _ in pairs])
         return check_output("inputs", 0, r, b, g, k, floor_for(atol, r)).passed
 
@@ -89,18 +100,18 @@ def in_program(program, calls: list[Call], original: IOModule, sample: list[torc
         while not inputs_clean(culprit):
             parent = next((c for c in calls[position + 1:] if culprit.path.startswith(c.path + ".")), None)
             parent_verdict = output_verdict(parent) if parent is not None else None
-            if parent_verdict is None or parent_verdict["passed"]:
+            if parent is None or parent_verdict is None or parent_verdict["passed"]:
                 note = (f"the inputs of {culprit.path} had already diverged, in code outside any checked module "
                         "(the model's own forward)")
                 break
             culprit, verdict = parent, parent_verdict
             position = calls.index(parent)
-        ref_inputs = _floats((culprit.args, culprit.kwargs))
-        error = _error(ref_inputs, graph[(culprit.path, culprit.index)][0])
-        own = _error(ref_inputs, baseline[(culprit.path, culprit.index)][0])
+        ref_inputs = floats((culprit.args, culprit.kwargs))
+        error = input_error(ref_inputs, graph[(culprit.path, culprit.index)][0])
+        own = input_error(ref_inputs, baseline[(culprit.path, culprit.index)][0])
         if error is not None:
             error["baseline_rmse"] = own["rmse"] if own else None
-        finding = _finding(culprit, verdict, error)
+        finding = finding_of(culprit, verdict, error)
         if note:
             finding["note"] = note
         return {"modules_recorded": len(calls), "modules_checked": checked, "first_divergent": finding}

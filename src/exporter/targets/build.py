@@ -1,0 +1,86 @@
+"""Build every target a recipe lists, in :data:`exporter.targets.TARGETS` order.
+
+The program every program-based target shares is exported once, first; a target that fails to build
+loses none of the others (a full disk stops the run: nothing else could be written either).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import traceback
+from pathlib import Path
+from typing import Callable
+
+from ..errors import ExporterError, describe
+from ..outdir import disk_full, file_entry, os_problem
+from ..results import FAILED, SKIPPED, VariantResult
+from . import TARGETS
+from .exported_program import export_program
+from .spec import BuildContext, RunnerSpec
+
+
+def stop_compile_workers() -> None:
+    """Idle Inductor compile workers must not share the CPU with the benchmark."""
+    try:
+        from torch._inductor.async_compile import shutdown_compile_workers  # noqa: PLC0415 - a private API some torch versions lack
+    except ImportError:
+        return
+    with contextlib.suppress(Exception):
+        shutdown_compile_workers()
+
+
+def build_targets(ctx: BuildContext, progress, log: Callable[[str, str], None]):
+    """Build every target the recipe lists, in :data:`TARGETS` order; one failing target loses none of the others.
+
+    Returns (VariantResult, RunnerSpec or None) pairs.
+    """
+    wanted = [t for t in TARGETS if t.name in ctx.recipe.targets.build]
+    built: list[tuple[VariantResult, RunnerSpec | None]] = []
+    if any(t.needs_program and t.unavailable() is None for t in wanted):
+        with progress.stage("torch.export"):
+            t0 = time.perf_counter()
+            try:
+                ctx.program = export_program(ctx)
+            except Exception as exc:
+                if disk_full(exc) is not None:
+                    raise
+                ctx.program_error = describe(exc)
+                log("torch.export", traceback.format_exc())
+                progress.warn(f"torch.export failed: {ctx.program_error}")
+            ctx.program_export_s = time.perf_counter() - t0
+    for target in wanted:
+        name = target.name
+        reason = target.unavailable()
+        if reason is not None:
+            built.append((VariantResult(name, name, status=SKIPPED, error=reason), None))
+            progress.info(f"{name}: skipped ({reason})")
+            continue
+        if target.needs_program and ctx.program is None:
+            error = f"needs the exported program, which failed: {ctx.program_error}"
+            built.append((VariantResult(name, name, status=FAILED, error=error), None))
+            continue
+        try:
+            with progress.stage(f"build {name}"):
+                items = target.build(ctx)
+        except ExporterError:
+            raise
+        except Exception as exc:
+            full = disk_full(exc)
+            if full is not None:  # no other target can be written either: stop the run
+                raise os_problem(full, Path(full.filename or ctx.staging)) from None
+            log(name, traceback.format_exc())
+            built.append((VariantResult(name, name, status=FAILED, error=f"build failed: {describe(exc)}"), None))
+            continue
+        for item in items:
+            spec = item.runner
+            built.append((VariantResult(
+                name, item.name, path=item.path.relative_to(ctx.staging) if item.path else None,
+                files=[file_entry(p, ctx.staging) for p in item.files], build_s=item.build_s, notes=list(item.notes),
+                graph=dict(item.graph), device=spec.device if spec else None, dtype=spec.dtype if spec else None),
+                spec))
+    stop_compile_workers()
+    return built
+
+
+__all__ = ["build_targets", "stop_compile_workers"]

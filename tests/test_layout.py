@@ -1,0 +1,152 @@
+"""The house: no import cycles, a short top level, one home for the facts that were written twice."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "src" / "exporter"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.AST):
+    """Every import statement, at any depth (lazy ones too), except under ``if TYPE_CHECKING:``."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def imported_modules(name: str, path: Path) -> set[str]:
+    """The exporter modules ``name`` imports, with the packages Python runs on the way (a package's
+    ``__init__`` runs before its submodule, unless the importer lives inside that package)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in _imports(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        else:
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                stem = ".".join(base + ([node.module] if node.module else []))
+            else:
+                stem = node.module or ""
+            submodules = [f"{stem}.{a.name}" for a in node.names if f"{stem}.{a.name}" in MODULES]
+            # ``from pkg import submodule`` needs pkg only on the way (see below); ``from pkg import name`` reads it
+            targets = submodules + ([stem] if len(submodules) < len(node.names) else [])
+        for target in targets:
+            if not target.startswith("exporter"):
+                continue
+            parts = target.split(".")
+            for i in range(1, len(parts) + 1):
+                module = ".".join(parts[:i])
+                on_the_way = i < len(parts) and (name == module or name.startswith(module + "."))
+                if module in MODULES and module != name and not on_the_way:  # a package holding the importer
+                    found.add(module)  # has run before it: not a dependency; everything else is
+    return found
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    found: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    graph = {name: imported_modules(name, path) for name, path in MODULES.items()}
+    assert cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_imports_are_resolved_with_their_packages():
+    runners = imported_modules("exporter.runners", MODULES["exporter.runners"])
+    assert {"exporter.child", "exporter.targets", "exporter.targets.spec"} <= runners
+    aoti = imported_modules("exporter.targets.aoti", MODULES["exporter.targets.aoti"])
+    assert "exporter.targets.spec" in aoti and "exporter.targets" not in aoti  # its own package is already there
+
+
+def test_the_top_level_stays_short():
+    flat = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(flat) <= 24, flat
+
+
+def test_target_names_have_one_home():
+    from exporter import recipe, targets
+
+    assert recipe.TARGETS is targets.NAMES
+    assert [t.name for t in targets.TARGETS] == list(targets.NAMES)
+
+
+def test_exit_code_doc_is_generated_from_the_table():
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "exit_codes.py"), "--check"], capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+
+
+def test_describe_cuts_at_a_word_boundary():
+    from exporter.errors import RecipeError, describe
+
+    text = describe(ValueError("Fix: make the model run in float64 on the CPU " * 20), limit=60)
+    assert len(text) <= 60 and text.endswith("…") and text.startswith("ValueError: Fix: make")
+    assert text[:-1].split()[-1] in "Fix: make the model run in float64 on the CPU".split()
+    assert describe(KeyError()) == "KeyError"
+    assert describe(RecipeError("bad", "fix it")) == "bad. Fix: fix it."
