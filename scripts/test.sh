@@ -9,6 +9,6 @@ python3 -m venv .venv
 python -m pip install -q --upgrade pip
 python -m pip install -q torch==2.13.0   # the CPU build first, so no dependency pulls a CUDA build
 python -m pip install -q -e ".[test]"
-ruff check src tests scripts
+ruff check src tests scripts benchmarks
 mypy
 python -m pytest "$@"

@@ -30,6 +30,20 @@ def test_generated_text_inputs(tiny_models):
     assert axes["input_ids"][0].name == "batch" and axes["attention_mask"][1].name == "sequence"
 
 
+def test_the_sequence_dim_stays_within_the_models_positions(tiny_models):
+    """A recipe's sequence range past the model's position embeddings is narrowed, and the plan says so
+    (on a GPU, reading past them is a device-side assert that takes the whole process down)."""
+    model = load_model(tiny_models["gpt2"]).model  # n_positions = 256
+    recipe = load_recipe("cpu-fp32").with_inputs(("sequence=300:2:512",))
+    plan = plan_inputs(model, recipe.inputs)
+    sequence = next(d for d in plan.dims if d.name == "sequence")
+    assert (sequence.size, sequence.min, sequence.max) == (256, 2, 256)
+    assert plan.samples[0]["input_ids"].shape[1] == 256
+    assert any("max 512 narrowed to 256" in note and "max_position_embeddings" in note for note in plan.notes)
+    within = plan_inputs(load_model(tiny_models["bert"]).model, load_recipe("cpu-fp32").inputs)  # 512 <= 512
+    assert not within.notes and next(d for d in within.dims if d.name == "sequence").max == 512
+
+
 def test_padding_mask_keeps_a_token_per_row():
     mask = padding_mask(8, 4)
     assert mask.sum(dim=1).min() >= 1 and mask[0].all()

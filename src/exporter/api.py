@@ -18,7 +18,7 @@ from .checkpoint import load_model
 from .environment import check_machine
 from .errors import CheckpointError, ExporterError, Interrupted
 from .inputs import plan_inputs
-from .measure.memory import peak_rss_bytes
+from .measure.memory import TreeMemory, peak_rss_bytes
 from .modelio import Signature, discover_outputs
 from .outdir import OutputFolder, disk_full, model_name, os_problem
 from .pipeline import ConvertRun
@@ -48,6 +48,20 @@ def resolve_recipe(recipe: str | Path | Recipe, factory: str | None = None, dims
     loaded = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     resolved = loaded.with_factory(factory).with_inputs(dims, tensors).with_targets(targets)
     return resolved if rewrite else resolved.with_rewrite(False)
+
+
+TREE_BOUND_EXTRA = 4 * 2**30  # GPU recipes: the process tree within 1.3 x the checkpoint + 4 GiB (docs/convert-time.md)
+
+
+def memory_section(recipe: Recipe, checkpoint_bytes: int, tree: TreeMemory) -> dict[str, Any]:
+    """The report's ``memory``: the convert process's own peak and the whole process tree's, sampled."""
+    section: dict[str, Any] = {"convert_peak_rss_bytes": peak_rss_bytes(), "checkpoint_bytes": checkpoint_bytes,
+                               "tree": tree.to_dict()}
+    if recipe.runtime.device != "cpu":
+        bound = int(1.3 * checkpoint_bytes + TREE_BOUND_EXTRA)
+        section["tree_bound_bytes"] = bound
+        section["tree_within_bound"] = tree.peak_pss <= bound
+    return section
 
 
 def default_out(checkpoint: str | Path, recipe: Recipe) -> Path:
@@ -108,9 +122,9 @@ def convert(checkpoint: str | Path, recipe: str | Path | Recipe = "cpu-fp32", ou
     with _signals(), quiet_libraries(), OutputFolder(final, overwrite=overwrite) as folder:
         run = ConvertRun(checkpoint, recipe_obj, folder.staged, inputs, allow_drift, allow_pickle, progress)
         try:
-            data = run.execute()
-            data["memory"] = {"convert_peak_rss_bytes": peak_rss_bytes(),
-                              "checkpoint_bytes": data["model"]["checkpoint_bytes"]}
+            with TreeMemory() as tree:
+                data = run.execute()
+            data["memory"] = memory_section(recipe_obj, data["model"]["checkpoint_bytes"], tree)
             report_mod.write_all(folder.staged, data, run.manifest_inputs())
         except ExporterError:
             raise

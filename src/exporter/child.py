@@ -9,6 +9,7 @@ in-process runner.
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import signal
@@ -40,12 +41,13 @@ class Session:
         return [(t.to(dtype) if t.is_floating_point() else t).to(self.loaded.device) for t in sample]
 
     def run(self, samples: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
-        results = []
+        """Every sample's outputs, on the CPU (small models and tests; comparisons stream, see ``outputs``)."""
+        return [[t.detach().to("cpu") for t in self.outputs(sample)] for sample in samples]
+
+    def outputs(self, sample: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One sample's outputs where the variant made them (its device)."""
         with torch.inference_mode():
-            for sample in samples:
-                out = self.loaded.call(self.prepare(sample))
-                results.append([t.detach().to("cpu") for t in out])
-        return results
+            return [t.detach() for t in self.loaded.call(self.prepare(sample))]
 
     def set_bench_input(self, sample: list[torch.Tensor]) -> None:
         self.bench_args = self.prepare(sample)
@@ -78,8 +80,37 @@ class Channel:
     def poll(self, timeout: float) -> bool:
         return self._conn.poll(timeout)
 
+    def send_tensor(self, tensor: torch.Tensor) -> None:
+        """A CPU tensor's raw bytes, without pickling (its shape and dtype travel in the message before it)."""
+        data = tensor.detach().contiguous().reshape(-1)
+        self._conn.send_bytes(data.view(torch.uint8).numpy().data if data.numel() else b"")
+
+    def recv_tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        count = math.prod(shape)
+        buffer = torch.empty(count * torch.empty((), dtype=dtype).element_size(), dtype=torch.uint8)
+        if count:
+            self._conn.recv_bytes_into(buffer.numpy())
+        else:
+            self._conn.recv_bytes()
+        return buffer.view(dtype).reshape(shape)
+
     def close(self) -> None:
         self._conn.close()
+
+
+def stream_outputs(conn: Channel, session: Session, sample: list[torch.Tensor], chunk: int) -> None:
+    """Run ``sample``; send its outputs' shapes and dtypes, then each output in flat chunks of ``chunk`` values,
+    copied to the CPU one chunk at a time; then ``end``."""
+    outputs = session.outputs(sample)
+    conn.send(("outputs", [(tuple(t.shape), str(t.dtype).replace("torch.", "")) for t in outputs]))
+    for index, tensor in enumerate(outputs):
+        flat = tensor.reshape(-1)
+        for start in range(0, flat.numel(), chunk):
+            piece = flat[start:start + chunk]
+            piece = piece.to("cpu") if piece.device.type != "cpu" else piece
+            conn.send(("chunk", index, piece.numel()))
+            conn.send_tensor(piece)
+    conn.send(("end", None))
 
 
 def child_main(fd: int) -> None:
@@ -125,6 +156,9 @@ def serve(conn: Channel, spec: RunnerSpec) -> None:
                 reply = dict(loaded.info)
             elif command == "call":  # a named hook of the loaded variant (e.g. a profiler)
                 reply = loaded.hooks[args[0]](session, *args[1:])
+            elif command == "stream":  # one sample, its outputs sent in chunks: nothing large is pickled
+                stream_outputs(conn, session, args[0], args[1])
+                continue
             elif command == "quit":
                 conn.send(("ok", None))
                 return

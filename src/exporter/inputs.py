@@ -13,6 +13,7 @@ for one sample, or ``0.input_ids``, ``1.input_ids``... for several.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -172,10 +173,39 @@ def padding_mask(batch: int, seq: int, dtype: torch.dtype = torch.int64) -> torc
     return mask
 
 
+def within_positions(model: nn.Module, specs: tuple[TensorSpec, ...], dims: tuple[Dim, ...]) -> tuple[
+        tuple[Dim, ...], list[str]]:
+    """The dims, with the sequence dim of generated token ids narrowed to the model's position limit.
+
+    A recipe serves many models; a transformers config says how many positions its model has
+    (``max_position_embeddings``, GPT-2's ``n_positions``). Past it a position-embedding lookup reads out of
+    bounds: an error on the CPU, a device-side assert on a GPU that leaves the whole process unable to use
+    it. So the dim is narrowed to the model's limit, and the report says so.
+    """
+    config = getattr(model, "config", None)
+    limit = getattr(config, "max_position_embeddings", None) if config is not None else None
+    ids = next((s for s in specs if s.name == "input_ids"), None)
+    if not isinstance(limit, int) or limit < 1 or ids is None:
+        return dims, []
+    used = {e for e in ids.shape if isinstance(e, str)}
+    narrowed, notes = [], []
+    for dim in dims:
+        if dim.name in used and len(ids.shape) > 1 and ids.shape[-1] == dim.name and dim.max > limit:
+            new = Dim(dim.name, min(dim.size, limit), min(dim.min, limit), limit)
+            notes.append(f"inputs.dims.{dim.name}: max {dim.max} narrowed to {limit}, the model's "
+                         f"max_position_embeddings" + (f" (size {dim.size} -> {new.size})" if new.size != dim.size
+                                                         else ""))
+            dim = new
+        narrowed.append(dim)
+    return tuple(narrowed), notes
+
+
 def plan_inputs(model: nn.Module, section: InputsSection, samples_file: str | Path | None = None) -> InputPlan:
     specs = infer_specs(model, section)
     check_dims_declared(specs, section.dims)
-    plan = InputPlan(specs=specs, dims=section.dims, seed=section.seed)
+    dims, notes = within_positions(model, specs, section.dims) if not section.tensors else (section.dims, [])
+    section = dataclasses.replace(section, dims=dims)
+    plan = InputPlan(specs=specs, dims=dims, seed=section.seed, notes=notes)
     plan.pad_token_id = getattr(getattr(model, "config", None), "pad_token_id", None)
     if samples_file is not None:
         plan.samples = read_samples(Path(samples_file), specs, section.dims)

@@ -17,11 +17,12 @@ import json
 import os
 import re
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import save_file
+import torch
 
 from .errors import OutputError
 
@@ -72,13 +73,38 @@ def write_json(path: Path, value: Any) -> None:
     write_atomic(path, json.dumps(value, indent=2, sort_keys=False, default=str) + "\n")
 
 
+SAFETENSORS_CODES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+                     "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+WRITE_CHUNK_BYTES = 64 * 2**20
+
+
 def save_tensors(path: Path, samples: list[list[Any]], names: tuple[str, ...]) -> None:
-    """Samples (lists of tensors in ``names`` order) as one safetensors file, keys ``<sample>.<name>``."""
-    flat = {f"{i}.{name}": t.detach().cpu().contiguous() for i, sample in enumerate(samples)
-            for name, t in zip(names, sample)}
+    """Samples (lists of tensors in ``names`` order) as one safetensors file, keys ``<sample>.<name>``.
+
+    Written tensor by tensor in slices, from wherever the tensors are (a GPU included): the host holds one
+    slice at a time, never the whole file (float64 logits of a large vocabulary are gigabytes).
+    """
+    entries = [(f"{i}.{name}", t.detach()) for i, sample in enumerate(samples) for name, t in zip(names, sample)]
+    header: dict[str, Any] = {}
+    offset = 0
+    for key, tensor in entries:
+        size = tensor.numel() * tensor.element_size()
+        header[key] = {"dtype": SAFETENSORS_CODES[str(tensor.dtype).replace("torch.", "")],
+                       "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        save_file(flat, str(path))
+        with open(path, "wb") as handle:
+            handle.write(struct.pack("<Q", len(raw)))
+            handle.write(raw)
+            for _, tensor in entries:
+                flat = tensor.reshape(-1)
+                step = max(WRITE_CHUNK_BYTES // max(tensor.element_size(), 1), 1)
+                for start in range(0, flat.numel(), step):
+                    piece = flat[start:start + step].to("cpu").contiguous()
+                    handle.write(piece.view(torch.uint8).numpy().data)
     except OSError as exc:
         raise os_problem(exc, path) from None
 

@@ -9,10 +9,13 @@ Each stage lives in its own place (``checkpoint/``, ``inputs``, ``numerics/refer
 
 from __future__ import annotations
 
+import gc
 import re
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from . import report as report_mod
 from .checkpoint import LoadedModel, check_finite, load_model
@@ -30,8 +33,16 @@ from .progress import Progress
 from .recipe import Recipe
 from .results import OK, VariantResult
 from .rewrite import rewrite_attention
+from .runners import RemoteRunner
 from .targets.build import build_targets
-from .targets.spec import BuildContext, ModelSource
+from .targets.spec import BuildContext, ModelSource, RunnerSpec
+
+
+def release_host_copy(model: torch.nn.Module, device: str) -> None:
+    """Move ``model`` to ``device`` as stored (no cast) and let the host's copy of the weights go: the
+    checkpoint's memory map is released once no tensor refers to it."""
+    model.to(device)
+    gc.collect()
 
 
 class ConvertRun:
@@ -95,12 +106,16 @@ class ConvertRun:
             save_tensors(inputs_path, samples, plan.names)
 
         original = original_module(loaded, signature)
-        with progress.stage("reference", "original model, float64, cpu"):
-            reference = run_reference(original, plan.samples)
+        if device != "cpu":  # the weights go to the GPU as stored: the reference runs there, from them
+            with progress.stage("to device", device):
+                release_host_copy(loaded.model, device)
+        with progress.stage("reference", f"original model, float64, {device}"):
+            reference = run_reference(original, plan.samples, device=device)
             save_tensors(self.staging / "reference" / "outputs.safetensors", reference.outputs, signature.outputs)
 
         with progress.stage("rewrite attention"):
-            rewritten, audit = rewrite_attention(original, list(samples[0]), apply=recipe.runtime.rewrite_attention)
+            on_device = [t.to(device) for t in samples[0]]
+            rewritten, audit = rewrite_attention(original, on_device, apply=recipe.runtime.rewrite_attention)
             progress.info(f"attention sites: {audit.found} found, {audit.count('rewritten')} rewritten, "
                           f"{audit.count('skipped')} skipped")
 
@@ -110,23 +125,29 @@ class ConvertRun:
         source = ModelSource(str(self.checkpoint.resolve()), recipe.model.factory, self.allow_pickle,
                              signature.inputs, signature.outputs, str(inputs_path), recipe.runtime.rewrite_attention)
         ctx = BuildContext(rewritten, plan, recipe, self.staging, source, example)
-        built = build_targets(ctx, progress, self.log)
-
         self.validation = validation = Validation(recipe, signature, reference, samples, original, self.log_path)
+        loading: dict[str, RemoteRunner] = {}
+
+        def start_loading(result: VariantResult, spec: RunnerSpec | None) -> None:
+            """Each variant starts loading in its own process as soon as it is built, while the next builds."""
+            if spec is not None and result.status == OK:
+                runner = validation.start(result, spec)
+                if runner is not None:
+                    loading[result.name] = runner
+
+        built = build_targets(ctx, progress, self.log, start_loading)
         with progress.stage("validate numerics"):
             eager = validation.local("eager", original, device, dtype)
-            validation.set_baseline(device, dtype, eager.run(samples))
+            validation.set_baseline(device, dtype, eager)
             rewritten_runner = validation.local("rewritten", rewritten, device, dtype)
             rewritten_result = VariantResult("rewritten", "rewritten", device=device, dtype=dtype)
             if not recipe.runtime.rewrite_attention:
                 rewritten_result.notes.append("rewrite off: this is the model as written, the same module as eager")
-            validation.judge(rewritten_result, rewritten_runner.run(samples))
+            validation.judge(rewritten_result, rewritten_runner)
             live: dict[str, Any] = {"eager": eager, "rewritten": rewritten_runner}
-            for result, spec in built:
-                if spec is not None and result.status == OK:
-                    runner = validation.remote(result, spec)
-                    if runner is not None:
-                        live[result.name] = runner
+            for result, _ in built:
+                if result.name in loading and validation.finish(result, loading[result.name]) is not None:
+                    live[result.name] = loading[result.name]
 
         results = [rewritten_result] + [r for r, _ in built]
         grid = validation.grid_and_locate(results, live, plan, ctx.program, rewritten, self.staging, progress)

@@ -20,6 +20,7 @@ class Prepared:
     original: IOModule  # eager attention, as the checkpoint's author wrote it
     rewritten: IOModule  # attention routed through SDPA; shares the original's weights
     audit: AttentionAudit
+    example: list[torch.Tensor]  # the stored sample 0, on the CPU
 
 
 def original_module(loaded: LoadedModel, signature: Signature) -> IOModule:
@@ -34,7 +35,7 @@ def from_source(source: ModelSource) -> Prepared:
     stored = load_file(source.example_file)
     example = [stored[f"0.{name}"] for name in source.inputs]
     rewritten, audit = rewrite_attention(original, example, apply=source.rewrite)
-    return Prepared(loaded, original, rewritten, audit)
+    return Prepared(loaded, original, rewritten, audit, example)
 
 
 def place(module: torch.nn.Module, device: str, dtype: str) -> torch.nn.Module:

@@ -122,6 +122,7 @@ class BenchSection:
     rounds: int = 5
     iterations: int = 10
     peak_tflops: float = 0.0  # the device's dense matmul ceiling; 0 means unknown
+    max_seconds: float = 10.0  # a variant whose calls are slow is timed for about this long (0: no limit)
 
 
 @dataclass(frozen=True)
@@ -460,6 +461,7 @@ def parse_recipe(data: dict, name: str, source: str) -> Recipe:
         rounds=_get(t, "rounds", int, db.rounds, "bench", p),
         iterations=_get(t, "iterations", int, db.iterations, "bench", p),
         peak_tflops=_get(t, "peak_tflops", float, db.peak_tflops, "bench", p),
+        max_seconds=_get(t, "max_seconds", float, db.max_seconds, "bench", p),
     )
     for key in ("warmup", "rounds", "iterations"):
         low = 0 if key == "warmup" else 1
@@ -467,6 +469,8 @@ def parse_recipe(data: dict, name: str, source: str) -> Recipe:
             p.add(f"bench.{key}", f"must be at least {low}, got {getattr(bench, key)}")
     if bench.peak_tflops < 0:
         p.add("bench.peak_tflops", "must be non-negative")
+    if bench.max_seconds < 0:
+        p.add("bench.max_seconds", "must be non-negative (0: no limit)")
 
     p.raise_if_any()
     return Recipe(name=name, description=description, schema_version=SCHEMA_VERSION, model=model,

@@ -9,13 +9,15 @@ software versions and the device, so a release can be verified later.
 from __future__ import annotations
 
 import datetime as dt
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from .environment import device_info, versions
 from .errors import EXIT_NUMERICS, EXIT_OK, EXIT_TARGET
 from .numerics.tolerance import RULE
-from .outdir import file_entry, model_name, sha256_file, write_atomic, write_json
+from .outdir import model_name, sha256_file, write_atomic, write_json
 from .recipe import K_DEFAULTS
 from .results import FAILED, NUMERICS_FAILED, OK, SKIPPED, VariantResult
 
@@ -106,7 +108,8 @@ def assemble(*, recipe, checkpoint, loaded, plan, signature, reference, audit, r
             "grid": grid.to_dict() if grid is not None else None,
         },
         "outputs": list(signature.outputs),
-        "reference": {"device": "cpu", "dtype": reference.dtype, "flops": reference.flops, "note": reference.note,
+        "reference": {"device": reference.device, "dtype": reference.dtype, "flops": reference.flops,
+                      "note": reference.note,
                       "model": "original (eager attention, not rewritten)"},
         "tolerance": {"rule": RULE, "k": recipe.numerics.k,
                       "k_default": ", ".join(f"{k:g} for {dtype}" for dtype, k in K_DEFAULTS.items()),
@@ -165,8 +168,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"- Attention: {r['attention']['found']} site(s) found, {r['attention']['rewritten']} rewritten to SDPA, "
         f"{r['attention']['skipped']} skipped"
         + ("" if r["recipe"].get("rewrite_attention", True) else " (rewrite off: attention runs as written)"),
-        f"- Reference: original model in {r['reference']['dtype']} on the CPU; tolerance "
+        f"- Reference: original model in {r['reference']['dtype']} on {r['reference']['device']}; tolerance "
         f"`{r['tolerance']['rule']}`",
+    ] + _cost_lines(r) + [
         "",
         "| variant | status | worst rel. L2 | median ms | p90 ms | p99 ms | speedup | TFLOP/s | build s | size "
         "| attention kernels |",
@@ -199,6 +203,28 @@ def render_markdown(report: dict[str, Any]) -> str:
                          f"| {_b(s['grouped_query'])} | {s['head_dim'] or '—'} | {s['reason'] or ''} |")
     lines += ["", f"Exit code {r['exit_code']}. Full data: `report.json`; hashes: `manifest.json`.", ""]
     return "\n".join(lines)
+
+
+def _cost_lines(r: dict[str, Any]) -> list[str]:
+    """What the run itself cost: time (slowest stages) and host memory of the whole process tree."""
+    lines = []
+    timings = {k: v for k, v in (r.get("timings_s") or {}).items() if k != "total" and isinstance(v, (int, float))}
+    if timings:
+        slowest = sorted(timings.items(), key=lambda kv: kv[1], reverse=True)[:4]
+        lines.append(f"- Convert took {r['timings_s'].get('total', 0):.0f} s; slowest stages: "
+                     + ", ".join(f"{k} {v:.1f} s" for k, v in slowest))
+    memory = r.get("memory") or {}
+    tree = memory.get("tree") or {}
+    if tree:
+        text = (f"- Host memory: {tree['tree_peak_pss_bytes'] / 2**30:.1f} GiB for the whole process tree (PSS, "
+                f"sampled), {memory['convert_peak_rss_bytes'] / 2**30:.1f} GiB for the convert process")
+        if memory.get("tree_bound_bytes"):
+            text += (f"; bound {memory['tree_bound_bytes'] / 2**30:.1f} GiB: "
+                     + ("within" if memory.get("tree_within_bound") else "**over**"))
+        if tree.get("gpu_peak_used_bytes"):
+            text += f"; GPU in use at most {tree['gpu_peak_used_bytes'] / 2**30:.1f} GiB"
+        lines.append(text)
+    return lines
 
 
 def _grid_lines(r: dict[str, Any]) -> list[str]:
@@ -292,19 +318,24 @@ def _b(value) -> str:
 
 
 def build_manifest(staging: Path, report: dict[str, Any], checkpoint_files: list[Path], recipe_dict) -> dict:
-    files = []
-    for path in sorted(p for p in staging.rglob("*") if p.is_file()):
-        if path.name == "manifest.json" or path.name.startswith("."):
-            continue
-        entry = file_entry(path, staging)
-        files.append(entry)
+    """Every file of the output folder and of the checkpoint with its SHA-256 (hashed in parallel; an
+    artifact's hash, taken when it was built, is reused while its size is unchanged)."""
+    known = {f["path"]: f for a in report["artifacts"] for f in (a.get("files") or [])}
+    paths = [p for p in sorted(staging.rglob("*")) if p.is_file() and p.name != "manifest.json"
+             and not p.name.startswith(".")]
+    fresh = [p for p in paths if not _still(known.get(str(p.relative_to(staging))), p)]
+    checkpoints = [Path(p) for p in checkpoint_files]
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:  # hashlib releases the GIL
+        digests = dict(zip(fresh + checkpoints, pool.map(sha256_file, fresh + checkpoints)))
+    files = [known[str(p.relative_to(staging))] if p not in digests else
+             {"path": str(p.relative_to(staging)), "sha256": digests[p], "bytes": p.stat().st_size} for p in paths]
     return {
         "schema_version": MANIFEST_SCHEMA_VERSION,
         "created": report["created"],
         "passed": report["passed"],
         "exit_code": report["exit_code"],
-        "checkpoint": [{"path": str(Path(p).resolve()), "sha256": sha256_file(Path(p)), "bytes": Path(p).stat().st_size}
-                       for p in checkpoint_files],
+        "checkpoint": [{"path": str(p.resolve()), "sha256": digests[p], "bytes": p.stat().st_size}
+                       for p in checkpoints],
         "files": files,
         "artifacts": [{"target": a["name"], "path": a["path"], "sha256": a["sha256"]}
                       for a in report["artifacts"] if a["path"]],
@@ -312,6 +343,10 @@ def build_manifest(staging: Path, report: dict[str, Any], checkpoint_files: list
         "versions": report["environment"]["versions"],
         "device": report["environment"]["device"],
     }
+
+
+def _still(entry: dict[str, Any] | None, path: Path) -> bool:
+    return entry is not None and entry.get("bytes") == path.stat().st_size
 
 
 def _drop_empty_logs(staging: Path) -> None:

@@ -78,8 +78,9 @@ def validate_folder(out_dir: str | Path, *, locate: bool = False, targets: tuple
             rewritten, _ = rewrite_attention(original, list(samples[0]), apply=recipe.runtime.rewrite_attention)
             loaded.model.to(device=device, dtype=TORCH_DTYPES[dtype])
             rewritten.to(device=device, dtype=TORCH_DTYPES[dtype])
-        validation = Validation(recipe, signature, Reference(reference, "float64", 0), samples, original,
-                                lambda name: Path(logs) / f"{name.replace(':', '-')}.log")
+        reference = [[t.to(device) for t in outputs] for outputs in reference]  # compared where it runs
+        validation = Validation(recipe, signature, Reference(reference, "float64", 0, device=device), samples,
+                                original, lambda name: Path(logs) / f"{name.replace(':', '-')}.log")
         results: list[VariantResult] = []
         live: dict[str, Any] = {}
         try:
@@ -87,7 +88,7 @@ def validate_folder(out_dir: str | Path, *, locate: bool = False, targets: tuple
                 if not targets or "rewritten" in targets:
                     result = VariantResult("rewritten", "rewritten", device=device, dtype=dtype)
                     runner = validation.local("rewritten", rewritten, device, dtype)
-                    validation.judge(result, runner.run(samples))
+                    validation.judge(result, runner)
                     results.append(result)
                     live["rewritten"] = runner
                 for entry in report["artifacts"]:

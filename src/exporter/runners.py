@@ -16,11 +16,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
+
+import torch
 
 from .child import Channel, Session
 from .errors import shorten
 from .measure.memory import peak_memory
+from .numerics.compare import CHUNK_ELEMENTS, chunks
 from .targets.spec import Loaded, RunnerFailed, RunnerSpec, failure_reason
 
 DEFAULT_TIMEOUT_S = 3600.0
@@ -35,6 +38,16 @@ class LocalRunner:
 
     def run(self, samples):
         return self.session.run(samples)
+
+    def begin_stream(self, sample, chunk: int = CHUNK_ELEMENTS) -> Iterator[tuple]:
+        """``("outputs", [(shape, dtype)])``, then ``("chunk", index, tensor)`` per flat chunk, on its device."""
+        def events():
+            outputs = self.session.outputs(sample)
+            yield "outputs", [(tuple(t.shape), str(t.dtype).replace("torch.", "")) for t in outputs]
+            for index, tensor in enumerate(outputs):
+                for piece in chunks(tensor, chunk):
+                    yield "chunk", index, piece
+        return events()
 
     def set_bench_input(self, sample):
         self.session.set_bench_input(sample)
@@ -84,7 +97,10 @@ class RemoteRunner:
     ``if __name__ == "__main__"`` guard. The child's output goes to ``log``.
     """
 
-    def __init__(self, spec: RunnerSpec, log: Path | None = None, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, spec: RunnerSpec, log: Path | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 wait: bool = True):
+        """Start the child and send it the spec; with ``wait`` (the default) block until it has loaded the
+        variant, else the caller goes on while it loads and calls :meth:`ready` when it needs it."""
         self.name = spec.name
         self.spec = spec
         self.timeout_s = timeout_s
@@ -110,10 +126,19 @@ class RemoteRunner:
             if log:
                 out.close()
         self.conn = Channel(parent_sock.detach())
+        self.started = t0
+        self.load_s: float | None = None
         self.conn.send((list(sys.path), spec))
-        kind, *rest = self._receive("load")
-        self.load_s = rest[0] if kind == "ready" else time.perf_counter() - t0
-        self.info = dict(rest[1]) if kind == "ready" else {}
+        if wait:
+            self.ready()
+
+    def ready(self) -> RemoteRunner:
+        """Wait until the child has loaded the variant (at once if it has); raise RunnerFailed if it could not."""
+        if self.load_s is None:
+            kind, *rest = self._receive("load")
+            self.load_s = rest[0] if kind == "ready" else time.perf_counter() - self.started
+            self.info = dict(rest[1]) if kind == "ready" else {}
+        return self
 
     def _exit(self) -> str:
         try:
@@ -150,6 +175,30 @@ class RemoteRunner:
 
     def run(self, samples):
         return self._ask("run", "run", samples)
+
+    def begin_stream(self, sample, chunk: int = CHUNK_ELEMENTS) -> Iterator[tuple]:
+        """Ask the child to run ``sample`` now (it computes while the caller does other work); the events
+        (as :meth:`LocalRunner.begin_stream`'s, chunks on the CPU) are read as the caller iterates."""
+        try:
+            self.conn.send(("stream", sample, chunk))
+        except (BrokenPipeError, ConnectionError, OSError):
+            raise RunnerFailed(f"run: the child process {self._exit()}") from None
+
+        def events():
+            meta = self._receive("run")[1]
+            dtypes = [getattr(torch, d) for _, d in meta]
+            yield "outputs", meta
+            while True:
+                message = self._receive("run")
+                if message[0] == "end":
+                    return
+                _, index, count = message
+                try:
+                    tensor = self.conn.recv_tensor((count,), dtypes[index])
+                except (EOFError, ConnectionError, OSError):
+                    raise RunnerFailed(f"run: the child process {self._exit()}") from None
+                yield "chunk", index, tensor
+        return events()
 
     def set_bench_input(self, sample) -> None:
         self._ask("benchmark setup", "set_bench_input", sample)

@@ -33,7 +33,7 @@ from safetensors.torch import load_file
 from . import junit as junit_mod
 from .errors import EXIT_ENVIRONMENT, EXIT_INTEGRITY, EXIT_NUMERICS, EXIT_OK, EXIT_TARGET, VERIFY_PRECEDENCE, UsageError
 from .junit import Case
-from .numerics.tolerance import check_against
+from .numerics.compare import Accumulator, InFile, Source, safetensors_index, shape_mismatch
 from .outdir import sha256_file
 from .report import REPORT_SCHEMA_VERSION
 from .runners import RemoteRunner, RunnerFailed
@@ -132,6 +132,18 @@ def load_reference(out: Path, report: dict[str, Any]):
     return samples, reference
 
 
+def reference_sources(out: Path, report: dict[str, Any]) -> tuple[list[list[torch.Tensor]], list[list[Source]]]:
+    """(samples, the stored float64 outputs as slices read on demand): verify never loads the outputs whole."""
+    names, outputs = report["inputs"]["names"], report["outputs"]
+    count = report["inputs"]["samples"]
+    stored_in = load_file(str(out / "reference" / "inputs.safetensors"))
+    path = out / "reference" / "outputs.safetensors"
+    index = safetensors_index(path)
+    samples = [[stored_in[f"{i}.{n}"] for n in names] for i in range(count)]
+    reference: list[list[Source]] = [[InFile(path, *index[f"{i}.{o}"]) for o in outputs] for i in range(count)]
+    return samples, reference
+
+
 def device_problem(device: str) -> str | None:
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
@@ -191,22 +203,43 @@ def _recorded_verdict(report: dict[str, Any], result: VerifyResult) -> None:
                                code if code in VERIFY_PRECEDENCE else EXIT_NUMERICS))
 
 
-def compare_rerun(entry: dict[str, Any], outputs, reference, names: list[str]) -> tuple[list[str], int]:
-    """Problems of a re-run against the stored reference and the stored bars; and how many checks ran."""
+def compare_rerun(entry: dict[str, Any], runner, samples, references: list[list[Source]],
+                  names: list[str]) -> tuple[list[str], int]:
+    """Run every sample through ``runner`` and compare each output, chunk by chunk as it arrives, with the
+    stored reference (read slice by slice) against the bar convert stored. Problems, and how many checks ran."""
     bars = {(c["sample"], c["output"]): c for c in (entry.get("numerics") or {}).get("checks") or []}
     problems, count = [], 0
-    for index, (ref_sample, got_sample) in enumerate(zip(reference, outputs)):
-        if len(got_sample) != len(names):
-            problems.append(f"sample {index}: returned {len(got_sample)} outputs, expected {len(names)}")
+    for index, (sample, refs) in enumerate(zip(samples, references)):
+        accumulators: list[Accumulator | None] = []
+        meta: list = []
+        for event in runner.begin_stream(sample):
+            if event[0] == "outputs":
+                meta = event[1]
+                if len(meta) != len(names):
+                    problems.append(f"sample {index}: returned {len(meta)} outputs, expected {len(names)}")
+                for name, (shape, _), ref in zip(names, meta, refs):
+                    if tuple(shape) != tuple(ref.shape):
+                        problems.append(f"output {name} (sample {index}): "
+                                        f"{shape_mismatch(name, index, tuple(shape), ref.shape).reason}")
+                        accumulators.append(None)
+                    else:
+                        accumulators.append(Accumulator(ref))
+            else:
+                accumulator = accumulators[event[1]] if len(meta) == len(names) else None
+                if accumulator is not None:
+                    accumulator.add(event[2])
+        if len(meta) != len(names):
             continue
-        for name, ref, got in zip(names, ref_sample, got_sample):
+        for name, ref, accumulator in zip(names, refs, accumulators):
             count += 1
+            if accumulator is None:
+                continue
             bar = bars.get((index, name))
-            if bar is None and ref.is_floating_point():
+            if bar is None and ref.dtype.is_floating_point:
                 problems.append(f"output {name} (sample {index}): report.json holds no stored bar for it")
                 continue
-            check = check_against(name, index, ref, got, bar["allowed_rmse"] if bar else 0.0,
-                                  explain=f"at convert: rmse {bar['rmse']:.3g}" if bar else "")
+            check = accumulator.check(name, index, bar["allowed_rmse"] if bar else 0.0,
+                                      explain=f"at convert: rmse {bar['rmse']:.3g}" if bar else "")
             if not check.passed:
                 problems.append(f"output {name} (sample {index}): {check.reason}")
     return problems, count
@@ -236,14 +269,13 @@ def _rerun(out: Path, report: dict[str, Any], entry: dict[str, Any], samples, re
                                seconds=time.perf_counter() - t0))
     t0 = time.perf_counter()
     try:
-        outputs = runner.run(samples)
+        problems, count = compare_rerun(entry, runner, samples, reference, report["outputs"])
     except RunnerFailed as exc:
         result.checks.append(Check(name, "numerics", False, f"no longer runs: {exc.reason}", EXIT_TARGET,
                                    time.perf_counter() - t0))
         return
     finally:
         runner.close()
-    problems, count = compare_rerun(entry, outputs, reference, report["outputs"])
     message = "; ".join(problems) if problems else f"{count} output checks within their stored bars"
     result.checks.append(Check(name, "numerics", not problems, message, EXIT_NUMERICS, time.perf_counter() - t0))
 
@@ -299,7 +331,7 @@ def _verify(out: Path, result: VerifyResult, timeout_s: float) -> None:
                                    EXIT_INTEGRITY))
         return
     _recorded_verdict(report, result)
-    samples, reference = load_reference(out, report)
+    samples, reference = reference_sources(out, report)
     for entry in artifacts:
         name = entry["name"]
         if not entry.get("path"):

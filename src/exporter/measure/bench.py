@@ -103,17 +103,28 @@ SETTLE_S = 0.05
 
 
 def interleaved(variants: list[Timed], warmup: int, rounds: int, iterations: int,
-                on_error: Callable[[Timed, BaseException], None], settle_s: float = SETTLE_S) -> dict[str, list[float]]:
+                on_error: Callable[[Timed, BaseException], None], settle_s: float = SETTLE_S,
+                max_seconds: float = 0.0) -> dict[str, list[float]]:
     """Warm each variant up, then time ``rounds`` bursts of ``iterations`` per variant, rotating the order.
 
     Between bursts the machine is left idle for ``settle_s``: runtimes whose idle
     threads spin (onnxruntime, OpenMP) stop spinning before the next variant runs.
+    With ``max_seconds`` > 0, a variant whose calls are slow gets fewer warm-up calls and
+    fewer calls per burst (never fewer than one per round), so that its timing takes about
+    ``max_seconds`` (an ONNX model on the CPU beside a GPU's milliseconds); the number of
+    timed calls is in the result.
     """
     alive = list(variants)
     times: dict[str, list[float]] = {v.name: [] for v in variants}
+    burst: dict[str, int] = {}
     for variant in list(alive):
         try:
-            variant.bench(warmup)
+            per_call_s = max(variant.bench(1)[0] / 1000.0, 1e-9)  # after one untimed call
+            warm, burst[variant.name] = warmup, iterations
+            if max_seconds > 0:
+                warm = min(warmup, int(0.25 * max_seconds / per_call_s))
+                burst[variant.name] = min(iterations, max(1, int(0.75 * max_seconds / (rounds * per_call_s))))
+            variant.bench(warm)
         except Exception as exc:  # a crashed or failing variant drops out; the others go on
             on_error(variant, exc)
             alive.remove(variant)
@@ -126,7 +137,7 @@ def interleaved(variants: list[Timed], warmup: int, rounds: int, iterations: int
                 continue
             time.sleep(settle_s)
             try:
-                times[variant.name].extend(variant.bench(iterations))
+                times[variant.name].extend(variant.bench(burst[variant.name]))
             except Exception as exc:
                 on_error(variant, exc)
                 alive.remove(variant)
@@ -147,7 +158,8 @@ def summarize(times: list[float], batch: int, flops: int, peak_tflops: float) ->
 
 
 def run_benchmark(live: dict[str, Any], sample, warmup: int, rounds: int, iterations: int,
-                  describe_error: Callable[[BaseException], str]) -> tuple[dict[str, list[float]], dict[str, str]]:
+                  describe_error: Callable[[BaseException], str],
+                  max_seconds: float = 0.0) -> tuple[dict[str, list[float]], dict[str, str]]:
     """Prepare each runner's input, time them interleaved; return (times by name, failure reason by name)."""
     failed: dict[str, str] = {}
     for name, runner in live.items():
@@ -160,7 +172,7 @@ def run_benchmark(live: dict[str, Any], sample, warmup: int, rounds: int, iterat
         failed[variant.name] = describe_error(exc)
 
     variants = [r for n, r in live.items() if n not in failed]
-    return interleaved(variants, warmup, rounds, iterations, on_error), failed
+    return interleaved(variants, warmup, rounds, iterations, on_error, max_seconds=max_seconds), failed
 
 
 def benchmark(live: dict[str, Any], sample, results, settings, device: str, flops: int, batch: int):
@@ -171,7 +183,7 @@ def benchmark(live: dict[str, Any], sample, results, settings, device: str, flop
     by_name = {r.name: r for r in results}
     warnings: list[str] = []
     timings, failed = run_benchmark(live, sample, settings.warmup, settings.rounds, settings.iterations,
-                                    failure_reason)
+                                    failure_reason, settings.max_seconds)
     for name, reason in failed.items():
         if name in by_name:
             by_name[name].fail(FAILED, f"benchmark: {reason}")
@@ -184,6 +196,10 @@ def benchmark(live: dict[str, Any], sample, results, settings, device: str, flop
         with contextlib.suppress(RunnerFailed):
             entry.update(runner.memory())
         entry["load_s"] = runner.load_s
+        if len(timings[name]) < settings.rounds * settings.iterations and name in by_name:
+            by_name[name].notes.append(f"timed {len(timings[name])} calls, fewer than bench.rounds x "
+                                       f"bench.iterations: its calls are slow (bench.max_seconds = "
+                                       f"{settings.max_seconds:g})")
         if name == "eager":
             eager_bench = entry
         else:

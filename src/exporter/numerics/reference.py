@@ -24,10 +24,26 @@ Outputs = list[torch.Tensor]
 
 @dataclass
 class Reference:
-    outputs: list[Outputs]
+    outputs: list[Outputs]  # on ``device``: kept where they were computed, compared there
     dtype: str
     flops: int  # forward FLOPs of sample 0, counted by torch.utils.flop_counter
     note: str = ""
+    device: str = "cpu"
+
+
+@contextlib.contextmanager
+def full_float32():
+    """float32 matrix products in float32 (no TF32) on the GPU, restored on exit: a float32 baseline must
+    carry float32's error, not TF32's."""
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    precision = torch.get_float32_matmul_precision()
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+        torch.set_float32_matmul_precision(precision)
 
 
 @contextlib.contextmanager
@@ -86,10 +102,11 @@ def upcast_while_running(model: nn.Module, dtype: torch.dtype):
         yield model
 
 
-def _whole_model_dtype(model: nn.Module) -> tuple[torch.dtype, str]:
-    """float64 when a float64 copy of the model fits in free memory, else float32 (with a note)."""
+def _whole_model_dtype(model: nn.Module, device: str) -> tuple[torch.dtype, str]:
+    """float64 when a float64 copy of the model fits in the device's free memory, else float32 (with a note)."""
     try:
-        available = psutil.virtual_memory().available
+        available = (torch.cuda.mem_get_info(torch.device(device))[0] if device.startswith("cuda")
+                     else psutil.virtual_memory().available)
     except Exception:
         return torch.float64, ""
     floating = sum(t.numel() for t in list(model.parameters()) + list(model.buffers()) if t.is_floating_point())
@@ -99,12 +116,12 @@ def _whole_model_dtype(model: nn.Module) -> tuple[torch.dtype, str]:
     return torch.float64, ""
 
 
-def _run(io: IOModule, samples, dtype: torch.dtype, count_flops: bool) -> tuple[list[Outputs], int]:
+def _run(io: IOModule, samples, dtype: torch.dtype, count_flops: bool, device: str) -> tuple[list[Outputs], int]:
     outputs: list[Outputs] = []
     flops = 0
     with torch.inference_mode():
         for index, sample in enumerate(samples):
-            args = cast_sample(sample, dtype)
+            args = cast_sample(sample, dtype, device)
             if index == 0 and count_flops:
                 counter = FlopCounterMode(display=False)
                 with counter:
@@ -116,28 +133,33 @@ def _run(io: IOModule, samples, dtype: torch.dtype, count_flops: bool) -> tuple[
     return outputs, flops
 
 
-def run_reference(io: IOModule, samples: list[dict[str, torch.Tensor]], count_flops: bool = True) -> Reference:
-    """Outputs of ``io`` (which must hold the original, non-rewritten model) in float64 on the CPU.
+def run_reference(io: IOModule, samples: list[dict[str, torch.Tensor]], count_flops: bool = True,
+                  device: str = "cpu") -> Reference:
+    """Outputs of ``io`` (which must hold the original, non-rewritten model) in float64 on ``device``.
 
-    First each module is upcast only while it runs (no second copy of the weights). If the model does
-    not run that way (a module reading another's weights), the whole model is cast in place when a
-    float64 copy fits in memory, else the reference runs in float32 and says so.
+    On a GPU recipe the reference runs on the GPU (its float64 is tens of times the CPU's) and its outputs
+    stay there, where the candidates are compared with them. First each module is upcast only while it runs
+    (no second copy of the weights). If the model does not run that way (a module reading another's
+    weights), the whole model is cast in place when a float64 copy fits in the device's memory, else the
+    reference runs in float32 and says so.
     """
-    with cast_in_place(io, None, "cpu"):  # back on its own device afterwards (grid points run mid-pipeline)
+    where = "the GPU" if device.startswith("cuda") else "the CPU"
+    with cast_in_place(io, None, device):  # back where it was afterwards (grid points run mid-pipeline)
         try:
             with upcast_while_running(io, torch.float64):
-                outputs, flops = _run(io, samples, torch.float64, count_flops)
-            return Reference(outputs, "float64", flops)
+                outputs, flops = _run(io, samples, torch.float64, count_flops, device)
+            return Reference(outputs, "float64", flops, device=device)
         except RuntimeError as exc:
+            if isinstance(exc, torch.cuda.OutOfMemoryError):
+                raise
             first = describe(exc, 160)
-            dtype, note = _whole_model_dtype(io)
+            dtype, note = _whole_model_dtype(io, device)
             note = (note + "; " if note else "") + f"per-module upcast failed ({first}); whole model cast instead"
         try:
-            with cast_in_place(io, dtype):
-                outputs, flops = _run(io, samples, dtype, count_flops)
+            with cast_in_place(io, dtype, device):
+                outputs, flops = _run(io, samples, dtype, count_flops, device)
         except Exception as exc:
-            raise ReferenceFailed(f"the original model does not run in {str(dtype).replace('torch.', '')} on the "
-                                  f"CPU ({describe(exc, 300)}), so no reference can be computed",
-                                  "make the model run in float64 on the CPU (ops without a float64 kernel cannot)"
-                                  ) from None
-    return Reference(outputs, str(dtype).replace("torch.", ""), flops, note)
+            raise ReferenceFailed(f"the original model does not run in {str(dtype).replace('torch.', '')} on "
+                                  f"{where} ({describe(exc, 300)}), so no reference can be computed",
+                                  "make the model run in float64 (ops without a float64 kernel cannot)") from None
+    return Reference(outputs, str(dtype).replace("torch.", ""), flops, note, device=device)

@@ -130,6 +130,12 @@ def check_against(name: str, sample: int, reference: torch.Tensor, candidate: to
     ref_finite = torch.isfinite(reference.cpu())
     cand_finite = torch.isfinite(candidate.detach().cpu())
     nonfinite = int((ref_finite & ~cand_finite).sum())
+    return check_against_metrics(name, sample, m, nonfinite, allowed, baseline_rmse, explain)
+
+
+def check_against_metrics(name: str, sample: int, m: dict[str, float], nonfinite: int, allowed: float,
+                          baseline_rmse: float = 0.0, explain: str = "") -> OutputCheck:
+    """The verdict from a floating output's metrics (whole, or accumulated chunk by chunk) and its bar."""
     reason = ""
     passed = m["rmse"] <= allowed
     if nonfinite:
@@ -143,25 +149,32 @@ def check_against(name: str, sample: int, reference: torch.Tensor, candidate: to
 
 def judge(candidate: str, output_names: tuple[str, ...], reference: list[Outputs], baseline: list[Outputs],
           outputs: list[Outputs], k: float, atol: float, baseline_label: str) -> CandidateNumerics:
-    """Compare every sample and output; keep each output's worst sample and every failure."""
-    result = CandidateNumerics(candidate, True, k, atol, baseline_label)
-    worst: dict[str, OutputCheck] = {}
+    """Compare every sample and output (whole tensors in memory); keep each output's worst sample and every
+    failure."""
+    checks = []
     for index, (ref, base, cand) in enumerate(zip(reference, baseline, outputs)):
         if len(cand) != len(output_names):
-            check = OutputCheck("*", index, math.inf, math.inf, math.inf, 0.0, math.inf, 0.0, 0.0, False,
-                                f"returned {len(cand)} outputs, expected {len(output_names)}")
+            checks.append(OutputCheck("*", index, math.inf, math.inf, math.inf, 0.0, math.inf, 0.0, 0.0, False,
+                                      f"returned {len(cand)} outputs, expected {len(output_names)}"))
+            continue
+        checks += [check_output(name, index, r, b, c, k, atol) for name, r, b, c in zip(output_names, ref, base, cand)]
+    return verdict_of_checks(candidate, output_names, checks, k, atol, baseline_label)
+
+
+def verdict_of_checks(candidate: str, output_names: tuple[str, ...], checks: list[OutputCheck], k: float, atol: float,
+                      baseline_label: str) -> CandidateNumerics:
+    """A candidate's verdict from its checks: each output's worst sample, every failure (worst first)."""
+    result = CandidateNumerics(candidate, True, k, atol, baseline_label)
+    worst: dict[str, OutputCheck] = {}
+    for check in checks:
+        if check.output != "*":  # "*": the run returned the wrong number of outputs
+            result.checks.append(check)
+        if not check.passed:
             result.failures.append(check)
             result.passed = False
-            continue
-        for name, r, b, c in zip(output_names, ref, base, cand):
-            check = check_output(name, index, r, b, c, k, atol)
-            result.checks.append(check)
-            if not check.passed:
-                result.failures.append(check)
-                result.passed = False
-            current = worst.get(name)
-            if current is None or ratio(check) > ratio(current):
-                worst[name] = check
+        current = worst.get(check.output)
+        if check.output != "*" and (current is None or ratio(check) > ratio(current)):
+            worst[check.output] = check
     result.worst = [worst[n] for n in output_names if n in worst]
     result.failures.sort(key=ratio, reverse=True)  # the worst failure first: it names the candidate's error
     return result

@@ -9,8 +9,9 @@ CPU meets a float32 bar, not the recipe's bf16 one.
 from __future__ import annotations
 
 import contextlib
+import math
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -24,10 +25,11 @@ from ..results import FAILED, NUMERICS_FAILED, OK, VariantResult
 from ..rewrite.graph_capture import TracedModule
 from ..runners import LocalRunner, RemoteRunner, RunnerFailed
 from ..targets.spec import Loaded, RunnerSpec
+from .compare import Accumulator, InMemory, rmse_of, shape_mismatch
 from .grid import GridPlan, artifact_signature, describe_signature, plan_grid, point_sample
 from .locate import locate
-from .reference import Reference, cast_in_place, run_reference
-from .tolerance import judge, ratio
+from .reference import Reference, cast_in_place, full_float32, run_reference
+from .tolerance import OutputCheck, ratio, verdict_of_checks
 
 # What localisation replays for each kind of candidate (the report quotes these).
 REPLAYED = {
@@ -50,6 +52,12 @@ PROGRAM_REPLAYED = {
 
 
 class Validation:
+    """Judges candidates against the float64 reference, on the device the reference lives on.
+
+    Only the eager baseline's error (its RMSE against the reference, per sample and output) is kept, never
+    its outputs; candidates' outputs are compared chunk by chunk as they arrive (:mod:`.compare`).
+    """
+
     def __init__(self, recipe: Recipe, signature: Signature, reference: Reference, samples: list[list[torch.Tensor]],
                  original: IOModule, log_path: Callable[[str], Path]):
         self.recipe = recipe
@@ -58,7 +66,7 @@ class Validation:
         self.samples = samples
         self.original = original
         self.log_path = log_path
-        self.baselines: dict[tuple[str, str], list[list[torch.Tensor]]] = {}
+        self.base_rmse: dict[tuple[str, str], list[list[float]]] = {}
         self.warnings: list[str] = []  # for the run's warnings (e.g. grid points the model itself cannot take)
         self.runners: list[Any] = []
 
@@ -69,29 +77,87 @@ class Validation:
         self.runners.append(runner)
         return runner
 
-    def set_baseline(self, device: str, dtype: str, outputs) -> None:
-        self.baselines[(device, dtype)] = outputs
+    def baseline_place(self, device: str, dtype: str) -> tuple[str, str]:
+        """Where the eager baseline for a candidate at (device, dtype) runs: there, except that a candidate on
+        the CPU of a GPU recipe (ONNX without onnxruntime's CUDA provider) gets its dtype's baseline on the GPU
+        (TF32 off): the same precision, without a CPU copy of a large model."""
+        if device == "cpu" and self.recipe.runtime.device != "cpu":
+            return self.recipe.runtime.device, dtype
+        return device, dtype
 
-    def baseline(self, device: str, dtype: str):
-        """The original model's outputs at ``device``/``dtype`` (cast in place for another pair)."""
-        key = (device, dtype)
-        if key not in self.baselines:
-            self.baselines[key] = self.eager_outputs(self.samples, device, dtype)
-        return self.baselines[key]
+    def baseline_label(self, device: str, dtype: str) -> str:
+        return "eager ({}, {})".format(*self.baseline_place(device, dtype))
 
-    def eager_outputs(self, samples: list[list[torch.Tensor]], device: str, dtype: str):
-        with cast_in_place(self.original, TORCH_DTYPES[dtype], device), torch.inference_mode():
-            runner = LocalRunner("eager", Loaded(lambda a: list(self.original(*a)), device, TORCH_DTYPES[dtype]))
-            return runner.run(samples)
+    def set_baseline(self, device: str, dtype: str, runner: LocalRunner) -> None:
+        """The eager model as it stands (the recipe's device and dtype), run through ``runner``."""
+        self.base_rmse[(device, dtype)] = [self._rmse(runner.session.outputs(sample), refs)
+                                           for sample, refs in zip(self.samples, self.reference.outputs)]
+
+    def baseline_rmse(self, device: str, dtype: str) -> list[list[float]]:
+        """Per sample and output, the RMSE of the original model at ``device``/``dtype`` against the reference."""
+        key = self.baseline_place(device, dtype)
+        if key not in self.base_rmse:
+            self.base_rmse[key] = self.eager_rmse(self.samples, self.reference.outputs, *key)
+        return self.base_rmse[key]
+
+    def eager_rmse(self, samples: list[list[torch.Tensor]], references: list[list[torch.Tensor]], device: str,
+                   dtype: str) -> list[list[float]]:
+        """The original model cast in place to ``device``/``dtype`` (restored afterwards), run on ``samples``."""
+        torch_dtype = TORCH_DTYPES[dtype]
+        with cast_in_place(self.original, torch_dtype, device), torch.inference_mode(), full_float32():
+            runner = LocalRunner("eager", Loaded(lambda a: list(self.original(*a)), device, torch_dtype))
+            return [self._rmse(runner.session.outputs(sample), refs) for sample, refs in zip(samples, references)]
+
+    @staticmethod
+    def _rmse(outputs: list[torch.Tensor], references: list[torch.Tensor]) -> list[float]:
+        return [rmse_of(ref, out) if ref.is_floating_point() and tuple(out.shape) == tuple(ref.shape) else 0.0
+                for out, ref in zip(outputs, references)]
 
     def where(self, result: VariantResult) -> tuple[str, str]:
         return result.device or self.recipe.runtime.device, result.dtype or self.recipe.runtime.dtype
 
-    def judge(self, result: VariantResult, outputs) -> None:
+    def compare(self, stream: Iterator[tuple], references: list[torch.Tensor], base: list[float], dtype: str,
+                sample: int) -> list[OutputCheck]:
+        """Read one sample's output stream and judge every output against its reference and bar."""
+        names = self.signature.outputs
+        k, atol = self.recipe.numerics.multiplier(dtype), self.recipe.numerics.atol
+        checks: list[OutputCheck] = []
+        accumulators: list[Accumulator | None] = []
+        for event in stream:
+            if event[0] == "outputs":
+                meta = event[1]
+                if len(meta) != len(names):
+                    for _ in stream:  # read what the child sends, to stay in step with it
+                        pass
+                    return [OutputCheck("*", sample, math.inf, math.inf, math.inf, 0.0, math.inf, 0.0, 0.0, False,
+                                        f"returned {len(meta)} outputs, expected {len(names)}")]
+                for name, (shape, _), ref in zip(names, meta, references):
+                    if tuple(shape) != tuple(ref.shape):
+                        checks.append(shape_mismatch(name, sample, tuple(shape), tuple(ref.shape)))
+                        accumulators.append(None)
+                    else:
+                        accumulators.append(Accumulator(InMemory(ref)))
+                continue
+            _, index, chunk = event
+            accumulator = accumulators[index]
+            if accumulator is not None:
+                accumulator.add(chunk)
+        for index, (name, accumulator) in enumerate(zip(names, accumulators)):
+            if accumulator is not None:
+                checks.append(accumulator.check(name, sample, k * base[index] + atol, base[index],
+                                                f"k={k:g} x baseline {base[index]:.3g} + atol {atol:g}"))
+        return checks
+
+    def judge(self, result: VariantResult, runner) -> None:
+        """Run every sample through ``runner`` and judge the candidate (``result.numerics``; failed on a miss)."""
         device, dtype = self.where(result)
-        verdict = judge(result.name, self.signature.outputs, self.reference.outputs, self.baseline(device, dtype),
-                        outputs, self.recipe.numerics.multiplier(dtype), self.recipe.numerics.atol,
-                        f"eager ({device}, {dtype})")
+        base = self.baseline_rmse(device, dtype)
+        checks = []
+        for index, (sample, references) in enumerate(zip(self.samples, self.reference.outputs)):
+            checks += self.compare(runner.begin_stream(sample), references, base[index], dtype, index)
+        verdict = verdict_of_checks(result.name, self.signature.outputs, checks,
+                                    self.recipe.numerics.multiplier(dtype), self.recipe.numerics.atol,
+                                    self.baseline_label(device, dtype))
         result.numerics = verdict
         if not verdict.passed:
             worst = verdict.failures[0]
@@ -118,14 +184,22 @@ class Validation:
         for point in grid.points:
             sample = point_sample(plan, point)
             ordered = [sample[n] for n in self.signature.inputs]
-            baselines: dict[tuple[str, str], Any] = {}
+            # candidates that run on the CPU (in their own process) start now and compute while the reference does
+            early = {result.name: runner.begin_stream(ordered) for result, runner in candidates
+                     if result.name not in dead and self.where(result)[0] == "cpu" and hasattr(runner, "process")}
+            base: dict[tuple[str, str], list[float]] = {}
             try:
-                with cast_in_place(self.original, None, "cpu"):  # back on the recipe's device afterwards
-                    reference = run_reference(self.original, [sample], count_flops=False).outputs
+                reference = run_reference(self.original, [sample], count_flops=False,
+                                          device=self.reference.device).outputs
                 for result, _ in candidates:
-                    if self.where(result) not in baselines:
-                        baselines[self.where(result)] = self.eager_outputs([ordered], *self.where(result))
+                    key = self.baseline_place(*self.where(result))
+                    if key not in base:
+                        base[key] = self.eager_rmse([ordered], reference, *key)[0]
             except Exception as exc:  # the recipe declares sizes the model itself cannot take
+                for stream in early.values():  # the children are answering already: read to the end
+                    with contextlib.suppress(RunnerFailed):
+                        for _ in stream:
+                            pass
                 reason = describe(exc, 300)
                 self.warnings.append(f"shape grid: the original model fails at {point.name} {point.sizes} "
                                      f"({reason}); that point is not checked: narrow inputs.dims to what the "
@@ -144,7 +218,8 @@ class Validation:
                     continue
                 device, dtype = self.where(result)
                 try:
-                    outputs = runner.run([ordered])
+                    stream = early.pop(result.name, None) or runner.begin_stream(ordered)
+                    checks = self.compare(stream, reference[0], base[self.baseline_place(device, dtype)], dtype, 0)
                 except RunnerFailed as exc:
                     record["error"] = exc.reason
                     self._detail(result.name, exc.detail)
@@ -152,9 +227,9 @@ class Validation:
                     if process is not None and process.poll() is not None:
                         dead[result.name] = f"the process stopped at grid point {point.name}"
                     continue
-                verdict = judge(result.name, self.signature.outputs, reference, baselines[(device, dtype)], outputs,
-                                self.recipe.numerics.multiplier(dtype), self.recipe.numerics.atol,
-                                f"eager ({device}, {dtype})")
+                verdict = verdict_of_checks(result.name, self.signature.outputs, checks,
+                                            self.recipe.numerics.multiplier(dtype), self.recipe.numerics.atol,
+                                            self.baseline_label(device, dtype))
                 worst = max(verdict.checks, key=ratio) if verdict.checks else None
                 record.update({"passed": verdict.passed, "worst_output": worst.output if worst else None,
                                "rmse": worst.rmse if worst else None,
@@ -163,6 +238,7 @@ class Validation:
                 if not verdict.passed:
                     failure = verdict.failures[0]
                     record["error"] = f"output {failure.output}: {failure.reason}"
+            del reference
         for result, _ in candidates:
             entry = entries[result.name]
             failed = [p for p in entry["points"] if p["passed"] is False]
@@ -257,25 +333,36 @@ class Validation:
         if result.error:
             result.error = f"{result.error}; {found['summary']}"
 
-    def remote(self, result: VariantResult, spec: RunnerSpec) -> RemoteRunner | None:
-        """Load ``spec`` in its own process, run every sample, judge; None when it could not run."""
+    def start(self, result: VariantResult, spec: RunnerSpec) -> RemoteRunner | None:
+        """Start loading ``spec`` in its own process and return at once; None (and ``result`` failed) when the
+        process cannot even start."""
         try:
-            runner = RemoteRunner(spec, log=self.log_path(result.name))
+            runner = RemoteRunner(spec, log=self.log_path(result.name), wait=False)
         except RunnerFailed as exc:
             result.fail(FAILED, exc.reason)
             self._detail(result.name, exc.detail)
             return None
         self.runners.append(runner)
-        result.load_s = runner.load_s
+        return runner
+
+    def finish(self, result: VariantResult, runner: RemoteRunner) -> RemoteRunner | None:
+        """Wait for a started runner to load, run every sample, judge; None when it could not run."""
         try:
-            outputs = runner.run(self.samples)
+            runner.ready()
+            result.load_s = runner.load_s
+            self.judge(result, runner)
             result.info.update(runner.refresh_info())
         except RunnerFailed as exc:
+            result.load_s = runner.load_s
             result.fail(FAILED, exc.reason)
             self._detail(result.name, exc.detail)
             return None
-        self.judge(result, outputs)
         return runner
+
+    def remote(self, result: VariantResult, spec: RunnerSpec) -> RemoteRunner | None:
+        """Load ``spec`` in its own process, run every sample, judge; None when it could not run."""
+        runner = self.start(result, spec)
+        return self.finish(result, runner) if runner is not None else None
 
     def _detail(self, name: str, detail: str) -> None:
         if detail:

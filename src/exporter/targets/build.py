@@ -17,7 +17,7 @@ from ..outdir import disk_full, file_entry, os_problem
 from ..results import FAILED, SKIPPED, VariantResult
 from . import TARGETS
 from .exported_program import export_program
-from .spec import BuildContext, RunnerSpec
+from .spec import BuildContext, RunnerSpec, Target, TargetSkipped
 
 
 def stop_compile_workers() -> None:
@@ -30,13 +30,26 @@ def stop_compile_workers() -> None:
         shutdown_compile_workers()
 
 
-def build_targets(ctx: BuildContext, progress, log: Callable[[str, str], None]):
-    """Build every target the recipe lists, in :data:`TARGETS` order; one failing target loses none of the others.
+def build_targets(ctx: BuildContext, progress, log: Callable[[str, str], None],
+                  on_built: Callable[[VariantResult, RunnerSpec | None], None] | None = None):
+    """Build every target the recipe lists; one failing target loses none of the others.
 
-    Returns (VariantResult, RunnerSpec or None) pairs.
+    Targets that need no exported program (the compile variants, which build in their own process) come
+    first, so their work overlaps the export; ``on_built`` hears of each variant as soon as it exists (to start
+    loading it while the next one builds). Returns (VariantResult, RunnerSpec or None) pairs in
+    :data:`TARGETS` order.
     """
-    wanted = [t for t in TARGETS if t.name in ctx.recipe.targets.build]
+    wanted = sorted((t for t in TARGETS if t.name in ctx.recipe.targets.build), key=lambda t: t.needs_program)
     built: list[tuple[VariantResult, RunnerSpec | None]] = []
+
+    def build(target: Target) -> None:
+        for result, spec in _build_one(target, ctx, progress, log):
+            built.append((result, spec))
+            if on_built is not None:
+                on_built(result, spec)
+
+    for target in [t for t in wanted if not t.needs_program]:
+        build(target)
     if any(t.needs_program and t.unavailable() is None for t in wanted):
         with progress.stage("torch.export"):
             t0 = time.perf_counter()
@@ -49,38 +62,46 @@ def build_targets(ctx: BuildContext, progress, log: Callable[[str, str], None]):
                 log("torch.export", traceback.format_exc())
                 progress.warn(f"torch.export failed: {ctx.program_error}")
             ctx.program_export_s = time.perf_counter() - t0
-    for target in wanted:
-        name = target.name
-        reason = target.unavailable()
-        if reason is not None:
-            built.append((VariantResult(name, name, status=SKIPPED, error=reason), None))
-            progress.info(f"{name}: skipped ({reason})")
-            continue
-        if target.needs_program and ctx.program is None:
-            error = f"needs the exported program, which failed: {ctx.program_error}"
-            built.append((VariantResult(name, name, status=FAILED, error=error), None))
-            continue
-        try:
-            with progress.stage(f"build {name}"):
-                items = target.build(ctx)
-        except ExporterError:
-            raise
-        except Exception as exc:
-            full = disk_full(exc)
-            if full is not None:  # no other target can be written either: stop the run
-                raise os_problem(full, Path(full.filename or ctx.staging)) from None
-            log(name, traceback.format_exc())
-            built.append((VariantResult(name, name, status=FAILED, error=f"build failed: {describe(exc)}"), None))
-            continue
-        for item in items:
-            spec = item.runner
-            built.append((VariantResult(
-                name, item.name, path=item.path.relative_to(ctx.staging) if item.path else None,
-                files=[file_entry(p, ctx.staging) for p in item.files], build_s=item.build_s, notes=list(item.notes),
-                graph=dict(item.graph), device=spec.device if spec else None, dtype=spec.dtype if spec else None),
-                spec))
+    for target in [t for t in wanted if t.needs_program]:
+        build(target)
     stop_compile_workers()
-    return built
+    order = {t.name: i for i, t in enumerate(TARGETS)}
+    return sorted(built, key=lambda pair: order[pair[0].target])
+
+
+def _build_one(target: Target, ctx: BuildContext, progress,
+               log: Callable[[str, str], None]) -> list[tuple[VariantResult, RunnerSpec | None]]:
+    name = target.name
+    reason = target.unavailable()
+    if reason is not None:
+        progress.info(f"{name}: skipped ({reason})")
+        return [(VariantResult(name, name, status=SKIPPED, error=reason), None)]
+    if target.needs_program and ctx.program is None:
+        error = f"needs the exported program, which failed: {ctx.program_error}"
+        return [(VariantResult(name, name, status=FAILED, error=error), None)]
+    try:
+        with progress.stage(f"build {name}"):
+            items = target.build(ctx)
+    except ExporterError:
+        raise
+    except TargetSkipped as skipped:
+        progress.warn(f"{name}: skipped ({skipped.reason})")
+        return [(VariantResult(name, name, status=SKIPPED, error=skipped.reason), None)]
+    except Exception as exc:
+        full = disk_full(exc)
+        if full is not None:  # no other target can be written either: stop the run
+            raise os_problem(full, Path(full.filename or ctx.staging)) from None
+        log(name, traceback.format_exc())
+        return [(VariantResult(name, name, status=FAILED, error=f"build failed: {describe(exc)}"), None)]
+    pairs: list[tuple[VariantResult, RunnerSpec | None]] = []
+    for item in items:
+        spec = item.runner
+        pairs.append((VariantResult(
+            name, item.name, path=item.path.relative_to(ctx.staging) if item.path else None,
+            files=[file_entry(p, ctx.staging) for p in item.files], build_s=item.build_s, notes=list(item.notes),
+            graph=dict(item.graph), device=spec.device if spec else None, dtype=spec.dtype if spec else None),
+            spec))
+    return pairs
 
 
 __all__ = ["build_targets", "stop_compile_workers"]

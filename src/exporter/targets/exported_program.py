@@ -33,28 +33,36 @@ def decomposition_table():
 
 
 def export_program(ctx: BuildContext):
-    return export_module(ctx.io, ctx.example, ctx.plan, ctx.notes)
+    return export_module(ctx.io, ctx.example, ctx.plan, ctx.notes, hints_first=ctx.device != "cpu")
 
 
-def export_module(module, example, plan, notes: list[str]):
+def export_module(module, example, plan, notes: list[str], hints_first: bool = False):
     """torch.export ``module`` with the plan's dynamic dims, then decompose keeping SDPA.
 
     Named dims (``Dim("sequence", min, max)``) come first: they tie equal dims
     across inputs and name them in every artifact. Where torch rejects them over a
     guard it cannot prove for the whole range (seen on CUDA with torch 2.11:
     ``min(16*s, 32*s) == 16*s`` for a grouped-query model), the export is retried
-    with ``Dim.DYNAMIC`` hints of the same range, and a note says so.
+    with ``Dim.DYNAMIC`` hints of the same range, and a note says so. On CUDA that
+    happened for every model with a sequence dim, so there (``hints_first``) the
+    hints are used at once instead of paying for a trace that fails: the program's
+    signature is still checked against the declared ranges, and the shape grid runs it.
     """
+    hinted = plan.export_dynamic_shapes(hints=True)
+    if hints_first and hinted is not None:
+        program = torch.export.export(module, tuple(example), dynamic_shapes=hinted, strict=False)
+        notes.append("exported with Dim.DYNAMIC hints of the declared ranges (on CUDA named dims are refused over "
+                     "guards torch cannot prove for the whole range)")
+        return program.run_decompositions(decomposition_table())
     try:
         program = torch.export.export(module, tuple(example), dynamic_shapes=plan.export_dynamic_shapes(),
                                       strict=False)
     except Exception as exc:
-        if "Constraints violated" not in str(exc) or plan.export_dynamic_shapes(hints=True) is None:
+        if "Constraints violated" not in str(exc) or hinted is None:
             raise
-        program = torch.export.export(module, tuple(example), dynamic_shapes=plan.export_dynamic_shapes(hints=True),
-                                      strict=False)
+        program = torch.export.export(module, tuple(example), dynamic_shapes=hinted, strict=False)
         notes.append("named dims were rejected by a guard torch could not prove over the declared range "
-                         f"({shorten(str(exc), 160)}); exported with Dim.DYNAMIC hints of the same range")
+                     f"({shorten(str(exc), 160)}); exported with Dim.DYNAMIC hints of the same range")
     return program.run_decompositions(decomposition_table())
 
 

@@ -8,7 +8,10 @@ memory (twice the weights, measured), external data is written tensor by tensor.
 onnxruntime's CPU execution provider has no bfloat16/float16 kernels for most
 ops. When the recipe's dtype is half precision and no CUDA execution provider
 is available, the ONNX model is exported in float32 (``onnx_dtype = "auto"``),
-validated against the float32 eager model, and the report says so.
+validated against the float32 eager model, and the report says so. That takes
+float32 copies of the weights on the host, so for a model over about 1.3 GiB of
+float32 weights the target is skipped instead, with the reason: a release gets
+no ONNX artifact that nobody has run, rather than one checked nowhere.
 """
 
 from __future__ import annotations
@@ -28,9 +31,13 @@ from ..measure.kernels import onnxruntime_hook
 from ..numerics.reference import cast_in_place
 from ..rewrite.onnx_attention_masks import expand_attention_masks
 from .exported_program import export_module
-from .spec import BuildContext, Built, Loaded, RunnerSpec
+from .spec import BuildContext, Built, Loaded, RunnerSpec, TargetSkipped
 
 FILE = "model.onnx"
+# A GPU recipe without onnxruntime's CUDA provider checks ONNX in float32 on the CPU: the export, the saved
+# model and onnxruntime's session each hold a float32 copy of the weights; above this the target is skipped.
+CPU_COPIES = 3
+CPU_FALLBACK_BYTES = 4 * 2**30
 # Above this, weights go to model.onnx.data: saving them inside the .onnx serialises the whole model in
 # memory (twice the weights, measured), while external data is written tensor by tensor.
 EXTERNAL_DATA_BYTES = 256 * 2**20
@@ -71,6 +78,14 @@ def build(ctx: BuildContext) -> list[Built]:
     choice = ctx.recipe.targets.onnx_dtype
     in_float32 = False
     if provider == "CPUExecutionProvider" and device != "cpu":
+        values = sum(t.numel() for t in list(ctx.io.parameters()) + list(ctx.io.buffers()) if t.is_floating_point())
+        if CPU_COPIES * values * 4 > CPU_FALLBACK_BYTES:
+            raise TargetSkipped(
+                f"this onnxruntime has no CUDA execution provider, and checking the model on its CPU provider "
+                f"instead would take float32 copies of {values * 4 / 2**30:.1f} GiB of weights in the export, the "
+                f"saved model and the session (over {CPU_FALLBACK_BYTES / 2**30:.0f} GiB): not built, not "
+                "validated. Install onnxruntime-gpu to build and check ONNX on the GPU, or export ONNX with a "
+                "CPU recipe")
         device = "cpu"
         notes.append("no CUDA execution provider in this onnxruntime: validated and timed on the CPU")
     if dtype != "float32" and (choice == "float32" or (choice == "auto" and provider == "CPUExecutionProvider")):

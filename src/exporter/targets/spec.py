@@ -36,6 +36,14 @@ class RunnerFailed(Exception):
         self.detail = detail
 
 
+class TargetSkipped(Exception):
+    """A target that cannot be built here, for a reason the report gives (not a failure of the run)."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
 def failure_reason(exc: BaseException) -> str:
     """One line for the report: a runner's own reason, else the exception described."""
     return exc.reason if isinstance(exc, RunnerFailed) else describe(exc)

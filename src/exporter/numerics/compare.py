@@ -1,0 +1,202 @@
+"""Comparing outputs where they are, chunk by chunk: the tolerance rule's metrics without a second copy.
+
+A language model's logits are large (8 × 512 × 128256 values: 4.2 GB in float64), so neither the float64
+reference nor a candidate's outputs should have to sit whole in host memory. :class:`Accumulator` keeps the
+running sums that :func:`exporter.numerics.tolerance.metrics` needs (squared error, norms, dot product, the
+largest absolute and relative errors, NaN/Inf where the reference is finite) and is fed a candidate's
+output in flat, ordered chunks, which it compares with the matching slice of the reference on the
+reference's own device (the GPU when the reference was computed there). The result equals ``metrics()`` on
+the whole tensors up to float64 rounding (tests/test_compare.py).
+
+A reference is any :class:`Source`: a tensor in memory (:class:`InMemory`) or a tensor stored in a
+safetensors file and read slice by slice (:class:`InFile`, what ``exporter verify`` compares against).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from .tolerance import OutputCheck, check_against_metrics
+
+CHUNK_ELEMENTS = 1 << 24  # 16 M values: 128 MiB in float64
+
+
+class Source(Protocol):
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    def flat(self, start: int, stop: int) -> torch.Tensor: ...
+
+
+class InMemory:
+    """A reference tensor that is already loaded (on any device)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor.detach()
+        self.shape = tuple(tensor.shape)
+        self.dtype = tensor.dtype
+        self.device = tensor.device
+        self._flat = self.tensor.reshape(-1)
+
+    def flat(self, start: int, stop: int) -> torch.Tensor:
+        return self._flat[start:stop]
+
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+
+
+def safetensors_index(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...], int]]:
+    """name -> (dtype, shape, absolute byte offset of its data) from a safetensors header."""
+    with open(path, "rb") as handle:
+        (size,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(size))
+    index = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        index[name] = (_ST_DTYPES[entry["dtype"]], tuple(entry["shape"]), 8 + size + entry["data_offsets"][0])
+    return index
+
+
+class InFile:
+    """A tensor of a safetensors file, read slice by slice with plain reads: only the slice is in memory."""
+
+    def __init__(self, path: Path, dtype: torch.dtype, shape: tuple[int, ...], offset: int):
+        self.path = Path(path)
+        self.shape = shape
+        self.dtype = dtype
+        self.device = torch.device("cpu")
+        self.offset = offset
+        self.itemsize = torch.empty((), dtype=dtype).element_size()
+
+    def flat(self, start: int, stop: int) -> torch.Tensor:
+        count = max(stop - start, 0)
+        buffer = bytearray(count * self.itemsize)
+        with open(self.path, "rb") as handle:
+            handle.seek(self.offset + start * self.itemsize)
+            handle.readinto(buffer)
+        return torch.frombuffer(buffer, dtype=self.dtype) if count else torch.empty(0, dtype=self.dtype)
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape) if shape else 1
+
+
+class Accumulator:
+    """Running metrics of a candidate against ``reference``, fed flat chunks in order (any device, any dtype)."""
+
+    def __init__(self, reference: Source):
+        self.reference = reference
+        self.size = numel(reference.shape)
+        self.offset = 0
+        self.floating = reference.dtype.is_floating_point
+        device = reference.device
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        self.sq, self.r2, self.c2, self.dot = zero.clone(), zero.clone(), zero.clone(), zero.clone()
+        self.max_abs, self.max_rel = zero.clone(), zero.clone()
+        self.nonfinite = torch.zeros((), dtype=torch.int64, device=device)
+        self.equal = True
+
+    def add(self, chunk: torch.Tensor) -> None:
+        flat = chunk.detach().reshape(-1)
+        stop = self.offset + flat.numel()
+        if stop > self.size:
+            raise ValueError(f"candidate chunk runs past the reference ({stop} > {self.size} values)")
+        ref = self.reference.flat(self.offset, stop)
+        self.offset = stop
+        if not self.floating:
+            self.equal = self.equal and bool(torch.equal(flat.to(ref.device, ref.dtype), ref))
+            return
+        r = ref.to(torch.float64)
+        c = flat.to(ref.device, torch.float64)
+        d = c - r
+        self.sq += (d * d).sum()
+        self.r2 += (r * r).sum()
+        self.c2 += (c * c).sum()
+        self.dot += (r * c).sum()
+        if d.numel():
+            a = d.abs()
+            self.max_abs = torch.maximum(self.max_abs, a.max())
+            self.max_rel = torch.maximum(self.max_rel, (a / r.abs().clamp_min(1e-12)).max())
+        self.nonfinite += (torch.isfinite(r) & ~torch.isfinite(c)).sum()
+
+    @property
+    def complete(self) -> bool:
+        return self.offset == self.size
+
+    def metrics(self) -> dict[str, float]:
+        """What :func:`exporter.numerics.tolerance.metrics` gives on the whole tensors."""
+        if self.size == 0:
+            return {"max_abs": 0.0, "max_rel": 0.0, "rel_l2": 0.0, "cosine": 1.0, "rmse": 0.0}
+        sq, r2, c2, dot = (float(x) for x in (self.sq, self.r2, self.c2, self.dot))
+        max_abs, max_rel = float(self.max_abs), float(self.max_rel)
+        ref_norm, diff_norm = math.sqrt(r2) if r2 >= 0 else math.nan, math.sqrt(sq) if sq >= 0 else math.nan
+        rel_l2 = diff_norm / ref_norm if ref_norm > 0 else diff_norm
+        denom = ref_norm * (math.sqrt(c2) if c2 >= 0 else math.nan)
+        cosine = dot / denom if denom > 0 else (1.0 if max_abs == 0 else 0.0)
+        rmse = math.sqrt(sq / self.size) if sq >= 0 else math.nan
+
+        def finite(x: float) -> float:
+            return x if math.isfinite(x) else float("inf")
+
+        return {"max_abs": finite(max_abs), "max_rel": finite(max_rel), "rel_l2": finite(rel_l2),
+                "cosine": cosine if math.isfinite(cosine) else 0.0, "rmse": finite(rmse)}
+
+    def check(self, name: str, sample: int, allowed: float, baseline_rmse: float = 0.0,
+              explain: str = "") -> OutputCheck:
+        """The tolerance rule's verdict on what was fed (everything must have been)."""
+        if not self.complete:
+            return OutputCheck(name, sample, math.inf, math.inf, math.inf, 0.0, math.inf, 0.0, 0.0, False,
+                               f"the candidate returned {self.offset} of the reference's {self.size} values")
+        if not self.floating:
+            value = 0.0 if self.equal else math.inf
+            return OutputCheck(name, sample, value, value, value, 1.0 if self.equal else 0.0, value, 0.0, 0.0,
+                               self.equal, "" if self.equal else "integer output differs")
+        return check_against_metrics(name, sample, self.metrics(), int(self.nonfinite), allowed, baseline_rmse,
+                                     explain)
+
+
+def shape_mismatch(name: str, sample: int, got: tuple[int, ...], want: tuple[int, ...]) -> OutputCheck:
+    return OutputCheck(name, sample, math.inf, math.inf, math.inf, 0.0, math.inf, 0.0, 0.0, False,
+                       f"shape {list(got)} differs from the reference's {list(want)}")
+
+
+def rmse_of(reference: torch.Tensor, other: torch.Tensor, chunk: int = CHUNK_ELEMENTS) -> float:
+    """``metrics(reference, other)["rmse"]`` computed in chunks on the reference's device."""
+    accumulator = Accumulator(InMemory(reference))
+    flat = other.detach().reshape(-1)
+    for start in range(0, flat.numel(), chunk):
+        accumulator.add(flat[start:start + chunk])
+    if flat.numel() == 0:
+        accumulator.offset = accumulator.size
+    return accumulator.metrics()["rmse"]
+
+
+@dataclass
+class Streamed:
+    """One output of a candidate's run, as it arrives: its shape and dtype first, then flat chunks."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def chunks(tensor: torch.Tensor, size: int = CHUNK_ELEMENTS):
+    """Flat, ordered chunks of ``tensor`` (views where it is contiguous)."""
+    flat = tensor.detach().reshape(-1)
+    for start in range(0, flat.numel(), size):
+        yield flat[start:start + size]
+
+
+__all__ = ["Accumulator", "InMemory", "InFile", "Source", "safetensors_index", "rmse_of", "chunks", "shape_mismatch",
+           "CHUNK_ELEMENTS"]
