@@ -76,7 +76,7 @@ def test_samples_file_single_and_indexed(tiny_models, tmp_path):
     ({"input_ids": torch.zeros(2, 8, 3, dtype=torch.int64), "attention_mask": torch.ones(2, 8, dtype=torch.int64)},
      "has 3 dims"),
     ({"input_ids": torch.zeros(2, 999, dtype=torch.int64), "attention_mask": torch.ones(2, 999, dtype=torch.int64)},
-     "outside the recipe's range 2..512"),
+     "outside the recipe's range 2..256"),  # gpt2's 256 positions narrow 512
     ({"input_ids": torch.zeros(2, 8, dtype=torch.int64), "attention_mask": torch.ones(2, 8, dtype=torch.int64),
       "labels": torch.zeros(2)}, "unexpected labels"),
 ])

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .errors import InputsError
+from .errors import InputsError, describe
 
 
 @dataclass(frozen=True)
@@ -103,15 +103,16 @@ def make_io_module(model: nn.Module, signature: Signature, attn_implementation: 
 
 def discover_outputs(model: nn.Module, inputs: dict[str, torch.Tensor],
                      wanted: tuple[str, ...] = ()) -> tuple[str, ...]:
-    """Run once and name the tensor outputs; keep ``wanted`` (in that order) when given."""
+    """Run once (where the model's weights are) and name the tensor outputs; keep ``wanted`` (in that order)
+    when given."""
     probe = IOModule(model, Signature(tuple(inputs), ()))
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
     try:
         with torch.inference_mode():
-            result = model(**dict(inputs), **probe._extra)
+            result = model(**{k: v.to(device) for k, v in inputs.items()}, **probe._extra)
     except Exception as exc:
         shapes = ", ".join(f"{k} {list(v.shape)} {str(v.dtype).replace('torch.', '')}" for k, v in inputs.items())
-        text = " ".join(str(exc).split())[:300]
-        raise InputsError(f"the model failed on the first sample ({shapes}): {type(exc).__name__}: {text}",
+        raise InputsError(f"the model failed on the first sample ({shapes}): {describe(exc, 300)}",
                           "check the inputs (declared in the recipe or with --input, or the --inputs file) "
                           "against the model's forward()") from None
     names = [n for n, _ in flatten_outputs(result)]

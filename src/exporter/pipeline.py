@@ -26,7 +26,7 @@ from .measure.bench import benchmark
 from .measure.kernels import audit_kernels
 from .modelio import Signature, discover_outputs
 from .numerics.reference import run_reference
-from .numerics.validation import Validation
+from .numerics.validation import Validation, not_on_grid
 from .outdir import save_tensors
 from .prepare import original_module
 from .progress import Progress
@@ -97,6 +97,9 @@ class ConvertRun:
                                           "fix the weights, or set [model] nonfinite_weights = \"warn\"")
                 self.warn(f"weights hold NaN or Inf: {names}")
 
+        if device != "cpu":  # the weights go to the GPU as stored: the first run and the reference run there
+            with progress.stage("to device", device):
+                release_host_copy(loaded.model, device)
         with progress.stage("inputs"):
             plan = plan_inputs(loaded.model, recipe.inputs, self.inputs_file)
             outputs = discover_outputs(loaded.model, plan.samples[0], recipe.model.outputs)
@@ -106,9 +109,6 @@ class ConvertRun:
             save_tensors(inputs_path, samples, plan.names)
 
         original = original_module(loaded, signature)
-        if device != "cpu":  # the weights go to the GPU as stored: the reference runs there, from them
-            with progress.stage("to device", device):
-                release_host_copy(loaded.model, device)
         with progress.stage("reference", f"original model, float64, {device}"):
             reference = run_reference(original, plan.samples, device=device)
             save_tensors(self.staging / "reference" / "outputs.safetensors", reference.outputs, signature.outputs)
@@ -145,12 +145,22 @@ class ConvertRun:
                 rewritten_result.notes.append("rewrite off: this is the model as written, the same module as eager")
             validation.judge(rewritten_result, rewritten_runner)
             live: dict[str, Any] = {"eager": eager, "rewritten": rewritten_runner}
+            # a compile variant compiles as it loads and is not on the grid: it is judged after the grid, so its
+            # compile overlaps the grid's work instead of holding it up
+            later = [r for r, _ in built if r.name in loading and r.target == "compile"]
             for result, _ in built:
-                if result.name in loading and validation.finish(result, loading[result.name]) is not None:
+                if result.name in loading and result not in later and validation.finish(result, loading[result.name]):
                     live[result.name] = loading[result.name]
 
         results = [rewritten_result] + [r for r, _ in built]
-        grid = validation.grid_and_locate(results, live, plan, ctx.program, rewritten, self.staging, progress)
+        grid = validation.grid(results, live, plan, ctx.program, self.staging, progress)
+        if later:
+            with progress.stage("validate compile variants", ", ".join(r.name for r in later)):
+                for result in later:
+                    if validation.finish(result, loading[result.name]):
+                        live[result.name] = loading[result.name]
+                        not_on_grid(result)
+        validation.locate_failures(results, rewritten, plan, grid, ctx.program, progress)
         self.warn(*validation.warnings)
 
         first = plan.samples[0][plan.names[0]]

@@ -51,6 +51,12 @@ PROGRAM_REPLAYED = {
 }
 
 
+def not_on_grid(result: VariantResult) -> None:
+    if result.numerics is not None:
+        result.numerics.grid = {"checked": False, "passed": True, "points": [],
+                                "reason": "a benchmark variant (static shapes, no artifact): not on the grid"}
+
+
 class Validation:
     """Judges candidates against the float64 reference, on the device the reference lives on.
 
@@ -200,14 +206,19 @@ class Validation:
                     with contextlib.suppress(RunnerFailed):
                         for _ in stream:
                             pass
-                reason = describe(exc, 300)
-                self.warnings.append(f"shape grid: the original model fails at {point.name} {point.sizes} "
-                                     f"({reason}); that point is not checked: narrow inputs.dims to what the "
-                                     "model supports")
+                if isinstance(exc, torch.cuda.OutOfMemoryError):
+                    torch.cuda.empty_cache()
+                    why = "its float64 reference does not fit in GPU memory"
+                    self.warnings.append(f"shape grid: {point.name} {point.sizes} is not checked: {why} "
+                                         "(lower numerics.grid_budget)")
+                else:
+                    why = f"the original model fails here ({describe(exc, 300)})"
+                    self.warnings.append(f"shape grid: the original model fails at {point.name} {point.sizes} "
+                                         f"({describe(exc, 300)}); that point is not checked: narrow inputs.dims "
+                                         "to what the model supports")
                 for result, _ in candidates:
                     entries[result.name]["points"].append({"name": point.name, "sizes": point.sizes, "passed": None,
-                                                           "error": f"not checked: the original model fails here "
-                                                                    f"({reason})"})
+                                                           "error": f"not checked: {why}"})
                 continue
             for result, runner in candidates:
                 entry = entries[result.name]
@@ -253,12 +264,10 @@ class Validation:
                         f"shape grid: {len(failed)} of {len(entry['points'])} points failed; "
                         f"first {first['name']} {first['sizes']}: {first['error']}")
 
-    def grid_and_locate(self, results: list[VariantResult], live: dict[str, Any], plan: InputPlan, program,
-                        rewritten: IOModule, staging: Path, progress) -> GridPlan | None:
-        """The shape grid for every loaded candidate but the compile variants, then localisation of each failure.
-
-        Returns the grid's plan (None without one); the run's warnings land in ``self.warnings``.
-        """
+    def grid(self, results: list[VariantResult], live: dict[str, Any], plan: InputPlan, program, staging: Path,
+             progress) -> GridPlan | None:
+        """The shape grid for every loaded candidate but the compile variants (benchmark variants with static
+        shapes). Returns the grid's plan (None without one); the run's warnings land in ``self.warnings``."""
         recipe = self.recipe
         grid = plan_grid(plan, recipe.numerics, recipe.inputs.seed)
         why_not = ("numerics.grid = false" if not recipe.numerics.grid
@@ -268,8 +277,7 @@ class Validation:
             if result.name not in live or result.numerics is None:
                 continue
             if result.target == "compile":
-                result.numerics.grid = {"checked": False, "passed": True, "points": [],
-                                        "reason": "a benchmark variant (static shapes, no artifact): not on the grid"}
+                not_on_grid(result)
                 continue
             candidates.append((result, live[result.name]))
             try:
@@ -283,16 +291,21 @@ class Validation:
             process = getattr(runner, "process", None)
             if process is not None and process.poll() is not None:
                 live.pop(result.name, None)
-        failing = [r for r in results if r.status == NUMERICS_FAILED]
-        if recipe.numerics.locate and failing:
-            with progress.stage("locate divergence", ", ".join(r.name for r in failing)):
-                for result in failing:
-                    try:
-                        self.locate(result, rewritten, plan, grid, program)
-                    except Exception as exc:  # localisation explains a failure; it never hides one
-                        self.warnings.append(f"{result.name}: localisation failed: {describe(exc)}")
-                        self._detail(result.name, f"localisation failed: {exc!r}\n")
         return grid
+
+    def locate_failures(self, results: list[VariantResult], rewritten: IOModule, plan: InputPlan,
+                        grid: GridPlan | None, program, progress) -> None:
+        """Name the first divergent module of every candidate that failed numerics (``numerics.locate``)."""
+        failing = [r for r in results if r.status == NUMERICS_FAILED]
+        if not self.recipe.numerics.locate or not failing:
+            return
+        with progress.stage("locate divergence", ", ".join(r.name for r in failing)):
+            for result in failing:
+                try:
+                    self.locate(result, rewritten, plan, grid, program)
+                except Exception as exc:  # localisation explains a failure; it never hides one
+                    self.warnings.append(f"{result.name}: localisation failed: {describe(exc)}")
+                    self._detail(result.name, f"localisation failed: {exc!r}\n")
 
     # ----------------------------------------------------------------------- localisation
 

@@ -5,13 +5,12 @@ outputs carry the model's real names. Models over 256 MiB store their weights in
 ``model.onnx.data`` beside the graph: saving them inside the ``.onnx`` serialises the whole model in
 memory (twice the weights, measured), external data is written tensor by tensor.
 
-onnxruntime's CPU execution provider has no bfloat16/float16 kernels for most
-ops. When the recipe's dtype is half precision and no CUDA execution provider
-is available, the ONNX model is exported in float32 (``onnx_dtype = "auto"``),
-validated against the float32 eager model, and the report says so. That takes
-float32 copies of the weights on the host, so for a model over about 1.3 GiB of
-float32 weights the target is skipped instead, with the reason: a release gets
-no ONNX artifact that nobody has run, rather than one checked nowhere.
+A GPU recipe needs onnxruntime's CUDA execution provider to run its ONNX model.
+Without it (``onnx_dtype = "auto"``) the target is skipped, with the reason in the
+report: a release gets no ONNX artifact that nobody has run, rather than one checked
+nowhere. ``onnx_dtype = "float32"`` builds a float32 ONNX model instead and checks it
+on the CPU provider (its bar: the float32 eager model); that takes float32 copies of
+the weights on the host, so above about 1.3 GiB of float32 weights it is skipped too.
 """
 
 from __future__ import annotations
@@ -78,6 +77,11 @@ def build(ctx: BuildContext) -> list[Built]:
     choice = ctx.recipe.targets.onnx_dtype
     in_float32 = False
     if provider == "CPUExecutionProvider" and device != "cpu":
+        if choice == "auto":
+            raise TargetSkipped(
+                "this onnxruntime has no CUDA execution provider, so an ONNX model for this GPU recipe cannot be run "
+                "and checked here: not built (no artifact ships unchecked). Install onnxruntime-gpu, or set "
+                "targets.onnx_dtype = \"float32\" to build a float32 ONNX model and check it on the CPU")
         values = sum(t.numel() for t in list(ctx.io.parameters()) + list(ctx.io.buffers()) if t.is_floating_point())
         if CPU_COPIES * values * 4 > CPU_FALLBACK_BYTES:
             raise TargetSkipped(
