@@ -75,3 +75,9 @@ def test_convert_peak_rss_of_a_1gb_checkpoint(tmp_path, capsys):
               f"({peak / size:.2f}x); limit {limit / 2**30:.2f} GiB")
     assert peak <= limit
     assert report["reference"]["dtype"] == "float64" and report["passed"]
+    tree = report["memory"]["tree"]  # the whole process tree, sampled: the convert process and its children
+    assert tree["processes_seen"] >= 2 and tree["samples"] > 0
+    assert tree["tree_peak_pss_bytes"] >= min(p["peak_pss_bytes"] for p in tree["largest_processes"])
+    with capsys.disabled():
+        print(f"process tree peak {tree['tree_peak_pss_bytes'] / 2**30:.2f} GiB PSS, "
+              f"{tree['tree_peak_rss_bytes'] / 2**30:.2f} GiB RSS")

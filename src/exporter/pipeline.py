@@ -153,14 +153,15 @@ class ConvertRun:
                     live[result.name] = loading[result.name]
 
         results = [rewritten_result] + [r for r, _ in built]
-        grid = validation.grid(results, live, plan, ctx.program, self.staging, progress)
+        program = ctx.decomposed or ctx.program  # what the artifacts were built from
+        grid = validation.grid(results, live, plan, program, self.staging, progress)
         if later:
             with progress.stage("validate compile variants", ", ".join(r.name for r in later)):
                 for result in later:
                     if validation.finish(result, loading[result.name]):
                         live[result.name] = loading[result.name]
                         not_on_grid(result)
-        validation.locate_failures(results, rewritten, plan, grid, ctx.program, progress)
+        validation.locate_failures(results, rewritten, plan, grid, program, progress)
         self.warn(*validation.warnings)
 
         first = plan.samples[0][plan.names[0]]

@@ -21,6 +21,7 @@ from ..inputs import TORCH_DTYPES
 from ..measure.kernels import hook
 from . import aoti_loader
 from .aoti_loader import load_package
+from .exported_program import core_aten
 from .spec import BuildContext, Built, Loaded, RunnerSpec
 from .toolchain import aoti_preload
 
@@ -34,7 +35,8 @@ def build(ctx: BuildContext) -> list[Built]:
     t0 = time.perf_counter()
     path = ctx.staging / FILE
     configs: dict[str, Any] = {}
-    weights = sum(t.numel() * t.element_size() for t in ctx.program.state_dict.values())
+    program = core_aten(ctx)
+    weights = sum(t.numel() * t.element_size() for t in program.state_dict.values())
     if weights > BLOB_ABOVE_BYTES:
         configs.update({"aot_inductor.package_constants_in_so": False,
                         "aot_inductor.package_constants_on_disk_format": "binary_blob"})
@@ -44,7 +46,7 @@ def build(ctx: BuildContext) -> list[Built]:
             # Inductor probes the CPU's vector instruction sets (a g++ compile and a Python process per set)
             # for the C++ it would write for CPU kernels; a CUDA graph has none worth vectorising.
             stack.enter_context(inductor_config.patch({"cpp.vec_isa_ok": False}))
-        torch._inductor.aoti_compile_and_package(ctx.program, package_path=str(path), inductor_configs=configs)
+        torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=configs)
     loader = ctx.staging / LOADER
     shutil.copyfile(aoti_loader.__file__, loader)
     preload = aoti_preload()

@@ -79,20 +79,24 @@ def _build_one(target: Target, ctx: BuildContext, progress,
     if target.needs_program and ctx.program is None:
         error = f"needs the exported program, which failed: {ctx.program_error}"
         return [(VariantResult(name, name, status=FAILED, error=error), None)]
+    skipped: TargetSkipped | None = None
     try:
         with progress.stage(f"build {name}"):
-            items = target.build(ctx)
+            try:
+                items = target.build(ctx)
+            except TargetSkipped as exc:  # a decision, not a failure of the stage
+                skipped = exc
     except ExporterError:
         raise
-    except TargetSkipped as skipped:
-        progress.warn(f"{name}: skipped ({skipped.reason})")
-        return [(VariantResult(name, name, status=SKIPPED, error=skipped.reason), None)]
     except Exception as exc:
         full = disk_full(exc)
         if full is not None:  # no other target can be written either: stop the run
             raise os_problem(full, Path(full.filename or ctx.staging)) from None
         log(name, traceback.format_exc())
         return [(VariantResult(name, name, status=FAILED, error=f"build failed: {describe(exc)}"), None)]
+    if skipped is not None:
+        progress.warn(f"{name}: skipped ({skipped.reason})")
+        return [(VariantResult(name, name, status=SKIPPED, error=skipped.reason), None)]
     pairs: list[tuple[VariantResult, RunnerSpec | None]] = []
     for item in items:
         spec = item.runner

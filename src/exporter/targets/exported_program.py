@@ -37,7 +37,7 @@ def export_program(ctx: BuildContext):
 
 
 def export_module(module, example, plan, notes: list[str], hints_first: bool = False):
-    """torch.export ``module`` with the plan's dynamic dims, then decompose keeping SDPA.
+    """torch.export ``module`` with the plan's dynamic dims (training IR; :func:`core_aten` decomposes it).
 
     Named dims (``Dim("sequence", min, max)``) come first: they tie equal dims
     across inputs and name them in every artifact. Where torch rejects them over a
@@ -53,7 +53,7 @@ def export_module(module, example, plan, notes: list[str], hints_first: bool = F
         program = torch.export.export(module, tuple(example), dynamic_shapes=hinted, strict=False)
         notes.append("exported with Dim.DYNAMIC hints of the declared ranges (on CUDA named dims are refused over "
                      "guards torch cannot prove for the whole range)")
-        return program.run_decompositions(decomposition_table())
+        return program
     try:
         program = torch.export.export(module, tuple(example), dynamic_shapes=plan.export_dynamic_shapes(),
                                       strict=False)
@@ -63,12 +63,23 @@ def export_module(module, example, plan, notes: list[str], hints_first: bool = F
         program = torch.export.export(module, tuple(example), dynamic_shapes=hinted, strict=False)
         notes.append("named dims were rejected by a guard torch could not prove over the declared range "
                      f"({shorten(str(exc), 160)}); exported with Dim.DYNAMIC hints of the same range")
-    return program.run_decompositions(decomposition_table())
+    return program
+
+
+def core_aten(ctx: BuildContext):
+    """The exported program decomposed to core ATen with SDPA kept (what ``model.pt2`` holds and AOTInductor
+    compiles), made once, on first need: an ONNX-only run never pays for it (the ONNX exporter decomposes
+    the program with its own table)."""
+    if ctx.decomposed is None:
+        t0 = time.perf_counter()
+        ctx.decomposed = ctx.program.run_decompositions(decomposition_table())
+        ctx.decompose_s = time.perf_counter() - t0
+    return ctx.decomposed
 
 
 def build(ctx: BuildContext) -> list[Built]:
     t0 = time.perf_counter()
-    program = ctx.program
+    program = core_aten(ctx)
     path = ctx.staging / FILE
     torch.export.save(program, str(path))
     spec = RunnerSpec("exported_program", "exported_program", ctx.device, ctx.dtype, path=str(path),

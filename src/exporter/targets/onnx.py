@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
@@ -69,36 +70,52 @@ def optimize(onnx_program) -> None:
     onnxscript.optimizer.optimize_ir(onnx_program.model)
 
 
-def build(ctx: BuildContext) -> list[Built]:
-    t0 = time.perf_counter()
+@dataclass
+class Placement:
+    """Where and in which dtype the ONNX model is built and run, and what the report says about it."""
+
+    device: str
+    dtype: str
+    in_float32: bool
+    notes: list[str]
+
+
+def placement(device: str, dtype: str, provider: str, choice: str, float_values: int) -> Placement:
+    """The ONNX model's device and dtype for a recipe at ``device``/``dtype``, given onnxruntime's ``provider``
+    and the recipe's ``onnx_dtype`` (``choice``); raises TargetSkipped when it cannot be built and checked here.
+    ``float_values``: the model's floating-point parameter and buffer values."""
     notes = []
-    provider = choose_provider(ctx.device)
-    dtype, device = ctx.dtype, ctx.device
-    choice = ctx.recipe.targets.onnx_dtype
-    in_float32 = False
     if provider == "CPUExecutionProvider" and device != "cpu":
         if choice == "auto":
             raise TargetSkipped(
                 "this onnxruntime has no CUDA execution provider, so an ONNX model for this GPU recipe cannot be run "
                 "and checked here: not built (no artifact ships unchecked). Install onnxruntime-gpu, or set "
                 "targets.onnx_dtype = \"float32\" to build a float32 ONNX model and check it on the CPU")
-        values = sum(t.numel() for t in list(ctx.io.parameters()) + list(ctx.io.buffers()) if t.is_floating_point())
-        if CPU_COPIES * values * 4 > CPU_FALLBACK_BYTES:
+        if CPU_COPIES * float_values * 4 > CPU_FALLBACK_BYTES:
             raise TargetSkipped(
                 f"this onnxruntime has no CUDA execution provider, and checking the model on its CPU provider "
-                f"instead would take float32 copies of {values * 4 / 2**30:.1f} GiB of weights in the export, the "
-                f"saved model and the session (over {CPU_FALLBACK_BYTES / 2**30:.0f} GiB): not built, not "
+                f"instead would take float32 copies of {float_values * 4 / 2**30:.1f} GiB of weights in the export, "
+                f"the saved model and the session (over {CPU_FALLBACK_BYTES / 2**30:.0f} GiB): not built, not "
                 "validated. Install onnxruntime-gpu to build and check ONNX on the GPU, or export ONNX with a "
                 "CPU recipe")
         device = "cpu"
         notes.append("no CUDA execution provider in this onnxruntime: validated and timed on the CPU")
-    if dtype != "float32" and (choice == "float32" or (choice == "auto" and provider == "CPUExecutionProvider")):
-        in_float32 = True
+    in_float32 = dtype != "float32" and (choice == "float32" or (choice == "auto"
+                                                                 and provider == "CPUExecutionProvider"))
+    if in_float32:
         notes.append(f"exported in float32: onnxruntime's CPU provider has no {dtype} kernels"
                      if choice == "auto" else "exported in float32, as the recipe asks")
         dtype = "float32"
-    if not in_float32:
-        notes = list(ctx.notes) + notes
+    return Placement(device, dtype, in_float32, notes)
+
+
+def build(ctx: BuildContext) -> list[Built]:
+    t0 = time.perf_counter()
+    provider = choose_provider(ctx.device)
+    values = sum(t.numel() for t in list(ctx.io.parameters()) + list(ctx.io.buffers()) if t.is_floating_point())
+    where = placement(ctx.device, ctx.dtype, provider, ctx.recipe.targets.onnx_dtype, values)
+    device, dtype, in_float32 = where.device, where.dtype, where.in_float32
+    notes = where.notes if in_float32 else list(ctx.notes) + where.notes
     path = ctx.staging / FILE
     with (_float32_program(ctx) if in_float32 else contextlib.nullcontext(ctx.program)) as program:
         # onnxruntime's Attention rejects masks that broadcast over the query length: spell them out

@@ -108,9 +108,11 @@ class BuildContext:
     staging: Path
     source: ModelSource
     example: list[torch.Tensor]  # sample 0 on the recipe's device and dtype
-    program: Any = None  # torch.export.ExportedProgram, set once exported
+    program: Any = None  # torch.export.ExportedProgram (training IR), set once exported
     program_error: str | None = None
     program_export_s: float = 0.0
+    decomposed: Any = None  # the program in core ATen with SDPA kept, made on first need (exported_program.core_aten)
+    decompose_s: float = 0.0
     notes: list[str] = field(default_factory=list)  # about the exported program, for every target built from it
 
     @property
