@@ -106,6 +106,8 @@ def save_tensors(path: Path, samples: list[list[Any]], names: tuple[str, ...]) -
                     piece = flat[start:start + step].to("cpu").contiguous()
                     handle.write(piece.view(torch.uint8).numpy().data)
     except OSError as exc:
+        if disk_full(exc) is not None:
+            raise  # the caller names the output folder, not a file of its staging folder
         raise os_problem(exc, path) from None
 
 

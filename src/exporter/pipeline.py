@@ -153,7 +153,7 @@ class ConvertRun:
                     live[result.name] = loading[result.name]
 
         results = [rewritten_result] + [r for r, _ in built]
-        program = ctx.decomposed or ctx.program  # what the artifacts were built from
+        program = ctx.program if ctx.decomposed is None else ctx.decomposed  # what the artifacts were built from
         grid = validation.grid(results, live, plan, program, self.staging, progress)
         if later:
             with progress.stage("validate compile variants", ", ".join(r.name for r in later)):
