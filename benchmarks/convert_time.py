@@ -31,14 +31,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 import transformers
+
+from exporter.measure.memory import TreeMemory
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -108,37 +108,6 @@ def write_checkpoint(name: str, folder: Path) -> dict[str, Any]:
             "write_s": time.perf_counter() - t0}
 
 
-class TreeSampler:
-    """PSS/RSS of a process and its descendants, every 0.2 s, from outside it."""
-
-    def __init__(self, pid: int):
-        self.root = psutil.Process(pid)
-        self.peak_pss = self.peak_rss = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.2):
-            try:
-                tree = [self.root] + self.root.children(recursive=True)
-            except psutil.Error:
-                continue
-            pss = rss = 0
-            for proc in tree:
-                try:
-                    info = proc.memory_full_info()
-                except psutil.Error:
-                    continue
-                pss += int(getattr(info, "pss", info.rss))
-                rss += int(info.rss)
-            self.peak_pss, self.peak_rss = max(self.peak_pss, pss), max(self.peak_rss, rss)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-
-
 def fresh_aoti_load(package: Path, preload: str | None) -> dict[str, Any]:
     """Load the package in a new process: import torch and start CUDA, then load it, then run nothing."""
     code = (
@@ -171,15 +140,13 @@ def measure(name: str, work: Path, recipe: str, targets: list[str], timeout_s: i
     t0 = time.perf_counter()
     with open(log, "w") as err:
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-        sampler = TreeSampler(process.pid)
-        try:
-            stdout, _ = process.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            stdout, _ = process.communicate()
-            result["timed_out_after_s"] = timeout_s
-        finally:
-            sampler.stop()
+        with TreeMemory(pid=process.pid) as sampler:  # from outside: the convert process and all it starts
+            try:
+                stdout, _ = process.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                stdout, _ = process.communicate()
+                result["timed_out_after_s"] = timeout_s
     result["wall_s"] = time.perf_counter() - t0
     result["exit_code"] = process.returncode
     result["sampled_tree_peak_pss_bytes"] = sampler.peak_pss

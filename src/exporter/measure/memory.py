@@ -50,8 +50,9 @@ class TreeMemory:
     is short. On a GPU the device memory in use (all processes: free vs. total) is sampled too.
     """
 
-    def __init__(self, interval_s: float = 0.2):
+    def __init__(self, interval_s: float = 0.2, pid: int | None = None):
         self.interval_s = interval_s
+        self.pid = pid  # the tree's root (None: this process)
         self.peak_pss = 0
         self.peak_rss = 0
         self.peak_gpu_used = 0
@@ -77,8 +78,8 @@ class TreeMemory:
 
     def sample(self) -> None:
         try:
-            me = psutil.Process()
-            tree = [me] + me.children(recursive=True)
+            root = psutil.Process(self.pid)
+            tree = [root] + root.children(recursive=True)
         except psutil.Error:
             return
         pss_total = rss_total = 0
