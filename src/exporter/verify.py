@@ -33,7 +33,8 @@ from safetensors.torch import load_file
 from . import junit as junit_mod
 from .errors import EXIT_ENVIRONMENT, EXIT_INTEGRITY, EXIT_NUMERICS, EXIT_OK, EXIT_TARGET, VERIFY_PRECEDENCE, UsageError
 from .junit import Case
-from .numerics.compare import Accumulator, InFile, Source, safetensors_index, shape_mismatch
+from .numerics.compare import InFile, Source, read_stream, safetensors_index
+from .numerics.tolerance import OutputCheck
 from .outdir import sha256_file
 from .report import REPORT_SCHEMA_VERSION
 from .runners import RemoteRunner, RunnerFailed
@@ -210,36 +211,18 @@ def compare_rerun(entry: dict[str, Any], runner, samples, references: list[list[
     bars = {(c["sample"], c["output"]): c for c in (entry.get("numerics") or {}).get("checks") or []}
     problems, count = [], 0
     for index, (sample, refs) in enumerate(zip(samples, references)):
-        accumulators: list[Accumulator | None] = []
-        meta: list = []
-        for event in runner.begin_stream(sample):
-            if event[0] == "outputs":
-                meta = event[1]
-                if len(meta) != len(names):
-                    problems.append(f"sample {index}: returned {len(meta)} outputs, expected {len(names)}")
-                for name, (shape, _), ref in zip(names, meta, refs):
-                    if tuple(shape) != tuple(ref.shape):
-                        problems.append(f"output {name} (sample {index}): "
-                                        f"{shape_mismatch(name, index, tuple(shape), ref.shape).reason}")
-                        accumulators.append(None)
-                    else:
-                        accumulators.append(Accumulator(ref))
-            else:
-                accumulator = accumulators[event[1]] if len(meta) == len(names) else None
-                if accumulator is not None:
-                    accumulator.add(event[2])
-        if len(meta) != len(names):
-            continue
-        for name, ref, accumulator in zip(names, refs, accumulators):
-            count += 1
-            if accumulator is None:
+        for name, ref, item in zip(names, refs, read_stream(runner.begin_stream(sample), names, refs, index)):
+            if isinstance(item, OutputCheck):  # another number of outputs ("*"), or a shape that differs
+                where = f"sample {index}" if item.output == "*" else f"output {name} (sample {index})"
+                problems.append(f"{where}: {item.reason}")
                 continue
+            count += 1
             bar = bars.get((index, name))
             if bar is None and ref.dtype.is_floating_point:
                 problems.append(f"output {name} (sample {index}): report.json holds no stored bar for it")
                 continue
-            check = accumulator.check(name, index, bar["allowed_rmse"] if bar else 0.0,
-                                      explain=f"at convert: rmse {bar['rmse']:.3g}" if bar else "")
+            check = item.check(name, index, bar["allowed_rmse"] if bar else 0.0,
+                               explain=f"at convert: rmse {bar['rmse']:.3g}" if bar else "")
             if not check.passed:
                 problems.append(f"output {name} (sample {index}): {check.reason}")
     return problems, count

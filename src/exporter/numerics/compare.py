@@ -17,9 +17,8 @@ from __future__ import annotations
 import json
 import math
 import struct
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Iterator, Protocol
 
 import torch
 
@@ -171,6 +170,30 @@ def shape_mismatch(name: str, sample: int, got: tuple[int, ...], want: tuple[int
                        f"shape {list(got)} differs from the reference's {list(want)}")
 
 
+def read_stream(stream: Iterator[tuple], names: tuple[str, ...] | list[str], references: list[Source],
+                sample: int) -> list[Accumulator | OutputCheck]:
+    """Read one sample's output stream (a runner's ``begin_stream``) against its references: per output, an
+    :class:`Accumulator` fed every chunk, or the failing check when its shape differs; one failing check
+    named ``*`` when the run returned another number of outputs (the stream is read to its end either way)."""
+    items: list[Accumulator | OutputCheck] = []
+    for event in stream:
+        if event[0] == "outputs":
+            meta = event[1]
+            if len(meta) != len(names):
+                for _ in stream:  # read what the child sends, to stay in step with it
+                    pass
+                return [OutputCheck("*", sample, math.inf, math.inf, math.inf, 0.0, math.inf, 0.0, 0.0, False,
+                                    f"returned {len(meta)} outputs, expected {len(names)}")]
+            items = [shape_mismatch(name, sample, tuple(shape), tuple(ref.shape))
+                     if tuple(shape) != tuple(ref.shape) else Accumulator(ref)
+                     for name, (shape, _), ref in zip(names, meta, references)]
+            continue
+        item = items[event[1]]
+        if isinstance(item, Accumulator):
+            item.add(event[2])
+    return items
+
+
 def rmse_of(reference: torch.Tensor, other: torch.Tensor, chunk: int = CHUNK_ELEMENTS) -> float:
     """``metrics(reference, other)["rmse"]`` computed in chunks on the reference's device."""
     accumulator = Accumulator(InMemory(reference))
@@ -182,15 +205,6 @@ def rmse_of(reference: torch.Tensor, other: torch.Tensor, chunk: int = CHUNK_ELE
     return accumulator.metrics()["rmse"]
 
 
-@dataclass
-class Streamed:
-    """One output of a candidate's run, as it arrives: its shape and dtype first, then flat chunks."""
-
-    index: int
-    shape: tuple[int, ...]
-    dtype: str
-
-
 def chunks(tensor: torch.Tensor, size: int = CHUNK_ELEMENTS):
     """Flat, ordered chunks of ``tensor`` (views where it is contiguous)."""
     flat = tensor.detach().reshape(-1)
@@ -198,5 +212,5 @@ def chunks(tensor: torch.Tensor, size: int = CHUNK_ELEMENTS):
         yield flat[start:start + size]
 
 
-__all__ = ["Accumulator", "InMemory", "InFile", "Source", "safetensors_index", "rmse_of", "chunks", "shape_mismatch",
-           "CHUNK_ELEMENTS"]
+__all__ = ["Accumulator", "InMemory", "InFile", "Source", "safetensors_index", "read_stream", "rmse_of", "chunks",
+           "shape_mismatch", "CHUNK_ELEMENTS"]

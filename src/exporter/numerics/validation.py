@@ -9,7 +9,6 @@ CPU meets a float32 bar, not the recipe's bf16 one.
 from __future__ import annotations
 
 import contextlib
-import math
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -25,7 +24,7 @@ from ..results import FAILED, NUMERICS_FAILED, OK, VariantResult
 from ..rewrite.graph_capture import TracedModule
 from ..runners import LocalRunner, RemoteRunner, RunnerFailed
 from ..targets.spec import Loaded, RunnerSpec
-from .compare import Accumulator, InMemory, rmse_of, shape_mismatch
+from .compare import InMemory, read_stream, rmse_of
 from .grid import GridPlan, artifact_signature, describe_signature, plan_grid, point_sample
 from .locate import locate
 from .reference import Reference, cast_in_place, full_float32, run_reference
@@ -127,32 +126,11 @@ class Validation:
         """Read one sample's output stream and judge every output against its reference and bar."""
         names = self.signature.outputs
         k, atol = self.recipe.numerics.multiplier(dtype), self.recipe.numerics.atol
-        checks: list[OutputCheck] = []
-        accumulators: list[Accumulator | None] = []
-        for event in stream:
-            if event[0] == "outputs":
-                meta = event[1]
-                if len(meta) != len(names):
-                    for _ in stream:  # read what the child sends, to stay in step with it
-                        pass
-                    return [OutputCheck("*", sample, math.inf, math.inf, math.inf, 0.0, math.inf, 0.0, 0.0, False,
-                                        f"returned {len(meta)} outputs, expected {len(names)}")]
-                for name, (shape, _), ref in zip(names, meta, references):
-                    if tuple(shape) != tuple(ref.shape):
-                        checks.append(shape_mismatch(name, sample, tuple(shape), tuple(ref.shape)))
-                        accumulators.append(None)
-                    else:
-                        accumulators.append(Accumulator(InMemory(ref)))
-                continue
-            _, index, chunk = event
-            accumulator = accumulators[index]
-            if accumulator is not None:
-                accumulator.add(chunk)
-        for index, (name, accumulator) in enumerate(zip(names, accumulators)):
-            if accumulator is not None:
-                checks.append(accumulator.check(name, sample, k * base[index] + atol, base[index],
-                                                f"k={k:g} x baseline {base[index]:.3g} + atol {atol:g}"))
-        return checks
+        items = read_stream(stream, names, [InMemory(ref) for ref in references], sample)
+        return [item if isinstance(item, OutputCheck) else
+                item.check(name, sample, k * base[i] + atol, base[i],
+                           f"k={k:g} x baseline {base[i]:.3g} + atol {atol:g}")
+                for i, (name, item) in enumerate(zip(names, items))]
 
     def judge(self, result: VariantResult, runner) -> None:
         """Run every sample through ``runner`` and judge the candidate (``result.numerics``; failed on a miss)."""
