@@ -7,16 +7,15 @@ one call here.
 
 from __future__ import annotations
 
-import contextlib
-import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import interrupts
 from . import report as report_mod
 from .checkpoint import load_model
 from .environment import check_machine
-from .errors import CheckpointError, ExporterError, Interrupted
+from .errors import CheckpointError, ExporterError
 from .inputs import plan_inputs
 from .measure.memory import TreeMemory, peak_rss_bytes
 from .modelio import Signature, discover_outputs
@@ -69,36 +68,6 @@ def default_out(checkpoint: str | Path, recipe: Recipe) -> Path:
     return Path("artifacts") / model_name(Path(checkpoint)) / f"{recipe.name}{suffix}"
 
 
-class _Terminated(BaseException):
-    """SIGTERM in flight: a BaseException, like KeyboardInterrupt, so no ``except Exception`` on the way
-    (a target's failure handling, the shape grid's) can swallow it and let the run carry on."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-@contextlib.contextmanager
-def _signals():
-    """Turn SIGTERM and SIGINT into an Interrupted error once they have unwound the whole run."""
-    def on_term(signum, frame):
-        raise _Terminated(signum)
-
-    try:
-        previous = signal.signal(signal.SIGTERM, on_term)
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
-        yield
-    except KeyboardInterrupt:
-        raise Interrupted(signal.SIGINT) from None
-    except _Terminated as exc:
-        raise Interrupted(exc.signum) from None
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def convert(checkpoint: str | Path, recipe: str | Path | Recipe = "cpu-fp32", out: str | Path | None = None, *,
             model: str | None = None, inputs: str | Path | None = None, allow_drift: bool = False,
             allow_pickle: bool = False, overwrite: bool = False, progress: Progress | None = None,
@@ -119,7 +88,7 @@ def convert(checkpoint: str | Path, recipe: str | Path | Recipe = "cpu-fp32", ou
     if not checkpoint.exists():
         raise CheckpointError(f"checkpoint {checkpoint} does not exist", "check the path")
     final = Path(out) if out is not None else default_out(checkpoint, recipe_obj)
-    with _signals(), quiet_libraries(), OutputFolder(final, overwrite=overwrite) as folder:
+    with interrupts.watch(), quiet_libraries(), OutputFolder(final, overwrite=overwrite) as folder:
         run = ConvertRun(checkpoint, recipe_obj, folder.staged, inputs, allow_drift, allow_pickle, progress)
         try:
             with TreeMemory() as tree:

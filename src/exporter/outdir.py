@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from . import interrupts
 from .errors import OutputError
 
 
@@ -202,8 +203,11 @@ class OutputFolder:
         return self.staging
 
     def publish(self) -> Path:
-        """Replace the output folder with the staged one (the old run, if any, is removed first)."""
+        """Replace the output folder with the staged one (the old run, if any, is removed first).
+
+        Never after SIGINT or SIGTERM: a run its operator stopped must not look finished."""
         assert self.staging is not None
+        interrupts.check()
         if self.final.exists():
             trash = self.final.parent / f".{self.final.name}.old-{os.getpid()}"
             os.replace(self.final, trash)

@@ -7,6 +7,8 @@ import time
 
 from rich.console import Console
 
+from . import interrupts
+
 
 class Progress:
     def __init__(self, enabled: bool = True, console: Console | None = None):
@@ -24,6 +26,8 @@ class Progress:
 
     @contextlib.contextmanager
     def stage(self, name: str, detail: str = ""):
+        """Time and show one stage; every stage boundary is also where a recorded signal stops the run."""
+        interrupts.check()
         t0 = time.perf_counter()
         label = f"{name}{': ' + detail if detail else ''}"
         status = (self.console.status(f"{label} ...") if self.enabled and self.console.is_terminal
@@ -33,6 +37,7 @@ class Progress:
         try:
             with status:
                 yield
+            interrupts.check()
         except BaseException:
             self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - t0
             if self.enabled:

@@ -9,6 +9,7 @@ the parent (``LocalRunner``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -20,6 +21,7 @@ from typing import Any, Iterator
 
 import torch
 
+from . import interrupts
 from .child import Channel, Session
 from .errors import shorten
 from .measure.memory import peak_memory
@@ -152,6 +154,7 @@ class RemoteRunner:
     def _receive(self, what: str):
         deadline = time.monotonic() + self.timeout_s
         while True:
+            interrupts.check()
             if self.conn.poll(0.2):
                 try:
                     message = self.conn.recv()
@@ -217,12 +220,16 @@ class RemoteRunner:
         return self._ask(hook, "call", hook, *args)
 
     def kill(self) -> None:
+        """Stop the child and whatever it started (compile workers share its session)."""
         if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGKILL)
             self.process.kill()
             self.process.wait(5)
 
     def close(self) -> None:
-        if self.process.poll() is None:
+        """Ask the child to quit and wait for it; after SIGINT or SIGTERM, stop it at once."""
+        if self.process.poll() is None and interrupts.received() is None:
             try:
                 self.conn.send(("quit",))
                 self.process.wait(10)

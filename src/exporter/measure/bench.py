@@ -17,6 +17,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from .. import interrupts
 from ..results import FAILED
 from ..targets.spec import RunnerFailed, failure_reason
 
@@ -136,6 +137,7 @@ def interleaved(variants: list[Timed], warmup: int, rounds: int, iterations: int
             if variant not in alive:
                 continue
             time.sleep(settle_s)
+            interrupts.check()
             try:
                 times[variant.name].extend(variant.bench(burst[variant.name]))
             except Exception as exc:
