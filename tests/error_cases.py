@@ -388,6 +388,13 @@ def _(tmp, a):
                 ["convert", str(a.gpt2), "--recipe", str(path)], 2, "'cudnn' needs device 'cuda'")
 
 
+@case("recipe and inputs", "--set with an unknown key")
+def _(tmp, a):
+    return Case("--set with an unknown key", "recipe and inputs",
+                ["convert", str(a.gpt2), "--set", "numerics.atl=1e-6", "--out", str(tmp / "out")], 2,
+                "numerics.atl: unknown key (did you mean 'atol'?)")
+
+
 @case("recipe and inputs", "unknown --target")
 def _(tmp, a):
     return Case("unknown --target", "recipe and inputs",

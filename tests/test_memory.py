@@ -75,6 +75,8 @@ def test_convert_peak_rss_of_a_1gb_checkpoint(tmp_path, capsys):
               f"({peak / size:.2f}x); limit {limit / 2**30:.2f} GiB")
     assert peak <= limit
     assert report["reference"]["dtype"] == "float64" and report["passed"]
+    assert report["run"]["command"] == ["exporter", "convert", "deep.safetensors", "--recipe", "deep.toml", "--out",
+                                        "out", "--model", "deep_factory:build", "--quiet"]  # as it can be typed again
     tree = report["memory"]["tree"]  # the whole process tree, sampled: the convert process and its children
     assert tree["processes_seen"] >= 2 and tree["samples"] > 0
     assert tree["tree_peak_pss_bytes"] >= min(p["peak_pss_bytes"] for p in tree["largest_processes"])

@@ -140,3 +140,32 @@ def test_recipe_json_is_read_back_by_the_same_parser(tmp_path):
     path.write_text("{not json")
     with pytest.raises(RecipeError, match="not valid JSON"):
         load_recipe(path)
+
+
+def test_set_overrides_are_typed_like_the_recipe_file():
+    from exporter.recipe import apply_settings
+
+    base = load_recipe("cpu-fp32")
+    changed = apply_settings(base, ("numerics.atol=1e-6", "targets.onnx_opset=21", "runtime.dtype=bfloat16",
+                                    "targets.build=onnx,aoti", "inputs.dims.batch=4:1:32", "numerics.k=3",
+                                    "report.host=true"))
+    assert changed.numerics.atol == 1e-6 and changed.numerics.k == 3.0
+    assert changed.targets.onnx_opset == 21 and changed.targets.build == ("onnx", "aoti")
+    assert changed.runtime.dtype == "bfloat16" and changed.report.host is True
+    batch = changed.inputs.dim("batch")
+    assert batch is not None and (batch.size, batch.min, batch.max) == (4, 1, 32)
+    assert changed.inputs.dim("sequence") == base.inputs.dim("sequence")
+    assert apply_settings(base, ()) is base
+    with pytest.raises(RecipeError) as info:
+        apply_settings(base, ("numerics.atl=1e-6", "targets.onnx_opset=twenty", "runtime.dtype=float8",
+                              "targets.build=onnx,trt"))
+    text = str(info.value)
+    assert "given with --set has 4 problem(s)" in text
+    assert "numerics.atl: unknown key (did you mean 'atol'?)" in text
+    assert "targets.onnx_opset: expected int, got str 'twenty'" in text
+    assert "runtime.dtype: 'float8' is not one of" in text and "targets.build: 'trt' is not one of" in text
+    for bad in ("atol=1e-6", "numerics.atol", "Numerics.atol=1"):
+        with pytest.raises(RecipeError, match="is not section.key=value"):
+            apply_settings(base, (bad,))
+    with pytest.raises(RecipeError, match="NAME=SIZE"):
+        apply_settings(base, ("inputs.dims.batch=big",))

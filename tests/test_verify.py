@@ -156,3 +156,28 @@ def test_usage_errors(tmp_path, folder):
                                                                                                  / "x.xml")],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 5 and "JUnit" in run.stderr
+
+
+def test_a_published_folder_names_no_host_and_verifies_where_it_moved(converted, tmp_path):
+    """report.json and manifest.json hold relative paths and no host name; a moved copy verifies, and the run
+    it records can be repeated from its recipe.json."""
+    import platform
+
+    moved = tmp_path / "elsewhere" / "release"
+    shutil.copytree(converted, moved)
+    for name in ("report.json", "manifest.json", "recipe.json"):
+        text = (converted / name).read_text()
+        assert str(converted.parent) not in text and str(Path.home()) + "/" not in text
+        assert f'"{platform.node()}"' not in text, name
+    report = json.loads((converted / "report.json").read_text())
+    manifest = json.loads((converted / "manifest.json").read_text())
+    assert "host" not in report["environment"]["device"]
+    paths = [e["path"] for e in manifest["files"] + manifest["checkpoint"] + manifest["artifacts"]]
+    assert paths and not [p for p in paths if Path(p).is_absolute() or ".." in Path(p).parts]
+    assert report["model"]["checkpoint"] == "bert" and report["recipe"]["source"] == "cpu-fp32 (built-in)"
+    result = verify(moved)
+    assert result.exit_code == 0, result.problems
+    again = load_recipe(moved / "recipe.json")
+    assert dataclasses.replace(again, source="") == dataclasses.replace(
+        load_recipe(converted / "recipe.json"), source="")
+    assert again.targets.build == ("exported_program", "onnx") and again.bench.iterations == 2

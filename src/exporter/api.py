@@ -19,12 +19,12 @@ from .errors import CheckpointError, ExporterError
 from .inputs import plan_inputs
 from .measure.memory import TreeMemory, peak_rss_bytes
 from .modelio import Signature, discover_outputs
-from .outdir import OutputFolder, disk_full, model_name, os_problem
+from .outdir import OutputFolder, disk_full, model_name, os_problem, public_command
 from .pipeline import ConvertRun
 from .prepare import original_module
 from .progress import Progress
 from .quiet import quiet_libraries
-from .recipe import Recipe, load_recipe
+from .recipe import Recipe, apply_settings, load_recipe
 from .rewrite import rewrite_attention
 
 
@@ -41,10 +41,12 @@ class ConvertResult:
 
 
 def resolve_recipe(recipe: str | Path | Recipe, factory: str | None = None, dims: tuple[str, ...] = (),
-                   tensors: tuple[str, ...] = (), rewrite: bool = True, targets: tuple[str, ...] = ()) -> Recipe:
-    """The recipe (a name, a path or a Recipe), with the command line's factory, input declarations,
-    ``--target`` selection and ``--no-rewrite`` (``rewrite=False``; True keeps the recipe's own setting)."""
-    loaded = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+                   tensors: tuple[str, ...] = (), rewrite: bool = True, targets: tuple[str, ...] = (),
+                   settings: tuple[str, ...] = ()) -> Recipe:
+    """The recipe (a name, a path or a Recipe) with the command line's ``--set`` overrides, then its factory,
+    input declarations, ``--target`` selection and ``--no-rewrite`` (``rewrite=False``; True keeps the
+    recipe's own setting)."""
+    loaded = apply_settings(recipe if isinstance(recipe, Recipe) else load_recipe(recipe), settings)
     resolved = loaded.with_factory(factory).with_inputs(dims, tensors).with_targets(targets)
     return resolved if rewrite else resolved.with_rewrite(False)
 
@@ -72,17 +74,19 @@ def convert(checkpoint: str | Path, recipe: str | Path | Recipe = "cpu-fp32", ou
             model: str | None = None, inputs: str | Path | None = None, allow_drift: bool = False,
             allow_pickle: bool = False, overwrite: bool = False, progress: Progress | None = None,
             dims: tuple[str, ...] = (), tensors: tuple[str, ...] = (), rewrite: bool = True,
-            targets: tuple[str, ...] = ()) -> ConvertResult:
+            targets: tuple[str, ...] = (), settings: tuple[str, ...] = (),
+            command: list[str] | None = None) -> ConvertResult:
     """Run the whole pipeline on ``checkpoint`` and return the report; files land in ``out``.
 
     ``dims`` and ``tensors`` declare inputs as the command line's ``--dim`` and ``--input`` do;
     ``rewrite=False`` is ``--no-rewrite`` (attention audited, left as written: to measure the rewrite);
-    ``targets`` is ``--target``, a subset of the recipe's targets.
+    ``targets`` is ``--target``, a subset of the recipe's targets; ``settings`` are ``--set section.key=value``
+    overrides; ``command`` is the command line to record in the report (the CLI passes its own).
     Raises ExporterError for user mistakes (before anything is written) and for interrupts; target
     and numerics failures are reported in the result (``exit_code``), not raised.
     """
     progress = progress or Progress(enabled=False)
-    recipe_obj = resolve_recipe(recipe, model, dims, tensors, rewrite, targets)
+    recipe_obj = resolve_recipe(recipe, model, dims, tensors, rewrite, targets, settings)
     check_machine(recipe_obj)
     checkpoint = Path(checkpoint)
     if not checkpoint.exists():
@@ -94,6 +98,7 @@ def convert(checkpoint: str | Path, recipe: str | Path | Recipe = "cpu-fp32", ou
             with TreeMemory() as tree:
                 data = run.execute()
             data["memory"] = memory_section(recipe_obj, data["model"]["checkpoint_bytes"], tree)
+            data["run"] = {"command": public_command(command) if command else None, "settings": list(settings)}
             report_mod.write_all(folder.staged, data, run.manifest_inputs())
         except ExporterError:
             raise

@@ -60,23 +60,27 @@ def cli() -> None:
               help="Build only this target of the recipe's; repeatable.")
 @click.option("--no-rewrite", is_flag=True,
               help="Leave attention as written (sites still audited): the baseline for what the rewrite buys.")
+@click.option("--set", "settings", multiple=True, metavar="SECTION.KEY=VALUE",
+              help="Override one recipe key, checked like the recipe file (repeatable), e.g. numerics.atol=1e-6, "
+                   "runtime.dtype=bfloat16, targets.build=onnx,aoti, inputs.dims.batch=4:1:32.")
 @click.option("--allow-drift", is_flag=True, help="Report numerics failures as warnings (recorded in the report).")
 @click.option("--allow-pickle", is_flag=True, help="Load a pickle checkpoint with torch.load(weights_only=True).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
 @click.option("--json", "as_json", is_flag=True, help="Print report.json to stdout.")
-def convert(checkpoint, recipe, out, factory, inputs_file, dims, tensors, targets, no_rewrite, allow_drift,
+def convert(checkpoint, recipe, out, factory, inputs_file, dims, tensors, targets, no_rewrite, settings, allow_drift,
             allow_pickle, overwrite, quiet, as_json):
     """Load CHECKPOINT, rewrite attention to SDPA, export, validate numerics, benchmark and report."""
     from .api import convert as run_convert
     progress = Progress(enabled=not quiet)
     result = run_convert(checkpoint, recipe, out, model=factory, inputs=inputs_file, allow_drift=allow_drift,
                          allow_pickle=allow_pickle, overwrite=overwrite, progress=progress, dims=dims,
-                         tensors=tensors, rewrite=not no_rewrite, targets=targets)
+                         tensors=tensors, rewrite=not no_rewrite, targets=targets, settings=settings,
+                         command=typed_command(click.get_current_context()))
     if as_json:
         click.echo(json.dumps(result.report, indent=2, default=str))
     else:
-        click.echo((result.out / "report.md").read_text(encoding="utf-8"))
+        show_markdown((result.out / "report.md").read_text(encoding="utf-8"))
     for line in result.problems:
         click.echo(f"error: {line}", err=True)
     if result.report.get("allow_drift") and any(a["status"] == "numerics_failed" for a in result.report["artifacts"]
@@ -84,6 +88,35 @@ def convert(checkpoint, recipe, out, factory, inputs_file, dims, tensors, target
         click.echo("warning: numerics failures were allowed by --allow-drift", err=True)
     click.echo(f"output: {result.out}", err=True)
     sys.exit(result.exit_code)
+
+
+def typed_command(ctx: click.Context) -> list[str]:
+    """The command as it could be typed again: its arguments, then every option not left at its default."""
+    parts = ["exporter", str(ctx.info_name)]
+    options = []
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name or "")
+        if isinstance(param, click.Argument):
+            parts.append(str(value))
+        elif isinstance(param, click.Option) and value not in (None, False, ()) and value != param.default:
+            flag = max(param.opts, key=len)
+            values = value if param.multiple else (None,) if param.is_flag else (value,)
+            for item in values:
+                options += [flag] if item is None else [flag, str(item)]
+    return parts + options
+
+
+def show_markdown(text: str) -> None:
+    """report.md on a terminal: headings, tables and emphasis drawn by rich; piped or redirected, the Markdown
+    itself (a CI log or a file keeps every column, and renders where Markdown does)."""
+    from rich.console import Console
+    from rich.markdown import Markdown
+
+    console = Console(highlight=False)
+    if console.is_terminal:
+        console.print(Markdown(text))
+    else:
+        click.echo(text)
 
 
 @cli.command(epilog=INSPECT_EXAMPLES)

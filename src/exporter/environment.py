@@ -44,9 +44,12 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def device_info(device: str) -> dict[str, object]:
-    info: dict[str, object] = {"type": device, "host": platform.node(), "kernel": platform.release(),
-                               "platform": sys.platform, "cpu": cpu_name()}
+def device_info(device: str, host: bool = False) -> dict[str, object]:
+    """The machine a run used; its host name only when asked (``[report] host = true``): reports get published."""
+    info: dict[str, object] = {"type": device, "kernel": platform.release(), "platform": sys.platform,
+                               "cpu": cpu_name()}
+    if host:
+        info["host"] = platform.node()
     if device.startswith("cuda") and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         info.update({"name": props.name, "capability": f"{props.major}.{props.minor}",

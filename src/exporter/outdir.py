@@ -22,8 +22,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from . import interrupts
 from .errors import OutputError
 
@@ -85,6 +83,8 @@ def save_tensors(path: Path, samples: list[list[Any]], names: tuple[str, ...]) -
     Written tensor by tensor in slices, from wherever the tensors are (a GPU included): the host holds one
     slice at a time, never the whole file (float64 logits of a large vocabulary are gigabytes).
     """
+    import torch  # noqa: PLC0415 - the command line reads recipes (and their paths) without torch
+
     entries = [(f"{i}.{name}", t.detach()) for i, sample in enumerate(samples) for name, t in zip(names, sample)]
     header: dict[str, Any] = {}
     offset = 0
@@ -230,6 +230,31 @@ class OutputFolder:
                 os.close(self._lock_fd)
             finally:
                 self._lock_fd = None  # the lock file stays: unlinking it would race with a waiting run
+
+
+def public_path(path: str | Path) -> str:
+    """A path as a published report may show it: relative to the working folder when inside it, else only
+    its name, so a report names no host's folders (nor the user whose home they are in)."""
+    text = str(path)
+    given = Path(text)
+    if not given.is_absolute() and ".." not in given.parts:
+        return text
+    try:
+        return str(given.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return given.name or text
+
+
+def public_command(argv: list[str]) -> list[str]:
+    """The command line as typed, with every argument that is an absolute path or names an existing file or
+    folder made public (:func:`public_path`)."""
+    shown = []
+    for arg in argv:
+        option, eq, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+        if value and (os.path.isabs(value) or os.path.exists(value)):
+            value = public_path(value)
+        shown.append(f"{option}{eq}{value}")
+    return shown
 
 
 GENERIC_NAMES = {"model", "models", "checkpoint", "checkpoints", "weights", "snapshot", "final", "pytorch_model"}

@@ -30,7 +30,7 @@ from .numerics.validation import Validation, not_on_grid
 from .outdir import save_tensors
 from .prepare import original_module
 from .progress import Progress
-from .recipe import Recipe
+from .recipe import Recipe, public_source
 from .results import OK, VariantResult
 from .rewrite import rewrite_attention
 from .runners import RemoteRunner
@@ -65,7 +65,7 @@ class ConvertRun:
 
     def manifest_inputs(self) -> dict[str, Any]:
         return {"checkpoint_files": list(self.loaded.checkpoint.files) if self.loaded else [],
-                "recipe": self.recipe.to_dict()}
+                "recipe": {**self.recipe.to_dict(), "source": public_source(self.recipe)}}
 
     def log_path(self, name: str) -> Path:
         logs = self.staging / "logs"

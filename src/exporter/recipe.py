@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import RecipeError
+from .outdir import public_path
 from .targets import NAMES as TARGETS
 
 SCHEMA_VERSION = 1
@@ -126,6 +127,11 @@ class BenchSection:
 
 
 @dataclass(frozen=True)
+class ReportSection:
+    host: bool = False  # write the machine's host name into report.json and manifest.json
+
+
+@dataclass(frozen=True)
 class Recipe:
     name: str
     description: str = ""
@@ -136,6 +142,7 @@ class Recipe:
     inputs: InputsSection = field(default_factory=InputsSection)
     numerics: NumericsSection = field(default_factory=NumericsSection)
     bench: BenchSection = field(default_factory=BenchSection)
+    report: ReportSection = field(default_factory=ReportSection)
     source: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -352,10 +359,10 @@ def _parse_tensors(items: Any, dims: tuple[Dim, ...], problems: _Problems) -> tu
     return tuple(specs)
 
 
-def parse_recipe(data: dict, name: str, source: str) -> Recipe:
+def parse_recipe(data: dict, name: str, source: str, problems: _Problems | None = None) -> Recipe:
     """Build a Recipe from parsed TOML, listing every problem at once."""
-    p = _Problems(source)
-    sections = {"model", "runtime", "targets", "inputs", "numerics", "bench"}
+    p = problems or _Problems(source)
+    sections = {"model", "runtime", "targets", "inputs", "numerics", "bench", "report"}
     _unknown(data, {"schema_version", "description"} | sections, "", p)
     version = _get(data, "schema_version", int, None, "recipe", p)
     if version is None and "schema_version" not in data:
@@ -472,10 +479,14 @@ def parse_recipe(data: dict, name: str, source: str) -> Recipe:
     if bench.max_seconds < 0:
         p.add("bench.max_seconds", "must be non-negative (0: no limit)")
 
+    t = table("report")
+    _unknown(t, {f.name for f in dataclasses.fields(ReportSection)}, "report", p)
+    report = ReportSection(host=_get(t, "host", bool, ReportSection().host, "report", p))
+
     p.raise_if_any()
     return Recipe(name=name, description=description, schema_version=SCHEMA_VERSION, model=model,
                   runtime=runtime, targets=targets, inputs=inputs, numerics=numerics, bench=bench,
-                  source=source)
+                  report=report, source=source)
 
 
 # --------------------------------------------------------------------------- lookup
@@ -488,6 +499,17 @@ def builtin_dir() -> Path:
         return packaged
     checkout = Path(__file__).resolve().parents[2] / "recipes"
     return checkout
+
+
+def public_source(recipe: Recipe) -> str:
+    """Where a recipe came from, as a published report shows it: a built-in's name, or a public path."""
+    if not recipe.source:
+        return ""
+    source = Path(recipe.source)
+    folder = builtin_dir()
+    if source.is_absolute() and folder.is_dir() and source.resolve().is_relative_to(folder.resolve()):
+        return f"{recipe.name} (built-in)"
+    return public_path(source)
 
 
 def builtin_names() -> list[str]:
@@ -539,8 +561,13 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
 
 def recipe_from_dict(data: dict[str, Any], source: str = "recipe.json") -> Recipe:
     """The Recipe a ``recipe.json`` (``Recipe.to_dict()``) holds, checked by the same parser as a TOML file."""
+    return parse_recipe(_as_table(data), name=str(data.get("name") or Path(source).stem), source=source)
+
+
+def _as_table(data: dict[str, Any]) -> dict[str, Any]:
+    """``Recipe.to_dict()``'s shape turned into the TOML file's (what :func:`parse_recipe` reads)."""
     table: dict[str, Any] = {k: v for k, v in data.items() if k not in ("name", "source", "inputs") and v is not None}
-    for section in ("model", "runtime", "targets", "numerics", "bench"):
+    for section in ("model", "runtime", "targets", "numerics", "bench", "report"):
         if isinstance(table.get(section), dict):
             table[section] = {k: v for k, v in table[section].items() if v is not None}
     inputs = data.get("inputs")
@@ -557,4 +584,42 @@ def recipe_from_dict(data: dict[str, Any], source: str = "recipe.json") -> Recip
         table["inputs"] = converted
     elif inputs is not None:
         table["inputs"] = inputs
-    return parse_recipe(table, name=str(data.get("name") or Path(source).stem), source=source)
+    return table
+
+
+_SETTING = re.compile(r"^([a-z_]+)\.([A-Za-z_][A-Za-z0-9_.]*)=(.*)$", re.S)
+
+
+def _setting_value(text: str, current: Any) -> Any:
+    """A ``--set`` value: a TOML value (``1e-6``, ``true``, ``["a", "b"]``), a comma-separated list where the
+    key holds a list, ``SIZE[:MIN:MAX]`` for a dim, and otherwise the text itself (``bfloat16``)."""
+    if isinstance(current, list) and not text.lstrip().startswith("["):
+        return [part.strip() for part in text.split(",") if part.strip()]
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_settings(recipe: Recipe, settings: tuple[str, ...]) -> Recipe:
+    """``--set section.key=value`` (repeatable) on top of ``recipe``, checked by the recipe file's parser."""
+    if not settings:
+        return recipe
+    table = _as_table(json.loads(json.dumps(recipe.to_dict())))  # the shape recipe.json has: lists, not tuples
+    hint = "write --set section.key=value, e.g. --set numerics.atol=1e-6 (docs/recipes.md lists every key)"
+    for text in settings:
+        match = _SETTING.match(text)
+        if not match:
+            raise RecipeError(f"--set {text!r} is not section.key=value", hint)
+        section, key, value = match.groups()
+        if section not in table:
+            table[section] = {}
+        if not isinstance(table[section], dict):
+            raise RecipeError(f"--set {text!r}: {section} is not a section", hint)
+        if section == "inputs" and key.startswith("dims."):
+            name = key[len("dims."):]
+            table["inputs"].setdefault("dims", {}).update(_parse_dim_option(f"{name}={value}"))
+            continue
+        table[section][key] = _setting_value(value, table[section].get(key))
+    problems = _Problems("given with --set", hint)
+    return parse_recipe(table, name=recipe.name, source=recipe.source, problems=problems)

@@ -17,8 +17,8 @@ from typing import Any
 from .environment import device_info, versions
 from .errors import EXIT_NUMERICS, EXIT_OK, EXIT_TARGET
 from .numerics.tolerance import RULE
-from .outdir import model_name, sha256_file, write_atomic, write_json
-from .recipe import K_DEFAULTS
+from .outdir import model_name, public_path, sha256_file, write_atomic, write_json
+from .recipe import K_DEFAULTS, public_source
 from .results import FAILED, NUMERICS_FAILED, OK, SKIPPED, VariantResult
 
 REPORT_SCHEMA_VERSION = 1
@@ -84,7 +84,7 @@ def assemble(*, recipe, checkpoint, loaded, plan, signature, reference, audit, r
         "warnings": list(warnings),
         "model": {
             "name": model_name(Path(checkpoint)),
-            "checkpoint": str(checkpoint),
+            "checkpoint": public_path(checkpoint),
             "format": loaded.checkpoint.format,
             "architecture": loaded.architecture.name,
             "architecture_source": loaded.architecture.source,
@@ -92,7 +92,7 @@ def assemble(*, recipe, checkpoint, loaded, plan, signature, reference, audit, r
             "checkpoint_bytes": loaded.checkpoint.nbytes,
             "checkpoint_dtypes": dtypes,
         },
-        "recipe": {"name": recipe.name, "source": recipe.source, "device": recipe.runtime.device,
+        "recipe": {"name": recipe.name, "source": public_source(recipe), "device": recipe.runtime.device,
                    "dtype": recipe.runtime.dtype, "attention_backend": recipe.runtime.attention_backend,
                    "rewrite_attention": recipe.runtime.rewrite_attention, "targets": list(recipe.targets.build)},
         "inputs": {
@@ -122,7 +122,7 @@ def assemble(*, recipe, checkpoint, loaded, plan, signature, reference, audit, r
         "rewritten": _variant_dict(results[0]),
         "artifacts": [_variant_dict(r) for r in results[1:]],
         "timings_s": {**{k: round(v, 3) for k, v in timings.items()}, "total": round(total_s, 3)},
-        "environment": {"versions": versions(), "device": device_info(recipe.runtime.device)},
+        "environment": {"versions": versions(), "device": device_info(recipe.runtime.device, host=recipe.report.host)},
     }
 
 
@@ -334,7 +334,7 @@ def build_manifest(staging: Path, report: dict[str, Any], checkpoint_files: list
         "created": report["created"],
         "passed": report["passed"],
         "exit_code": report["exit_code"],
-        "checkpoint": [{"path": str(p.resolve()), "sha256": digests[p], "bytes": p.stat().st_size}
+        "checkpoint": [{"path": p.name, "sha256": digests[p], "bytes": p.stat().st_size}  # within the checkpoint
                        for p in checkpoints],
         "files": files,
         "artifacts": [{"target": a["name"], "path": a["path"], "sha256": a["sha256"]}

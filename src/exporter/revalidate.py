@@ -36,12 +36,9 @@ from .verify import artifact_spec, device_problem, load_reference, out_folder, r
 
 
 def _check_checkpoint(manifest: dict[str, Any], checkpoint: Path) -> None:
+    """Every checkpoint file convert read (``manifest.json`` names them within the checkpoint) is here, unchanged."""
     for entry in manifest.get("checkpoint", []):
-        path = Path(entry["path"])
-        if checkpoint.is_dir() and not path.exists():
-            path = checkpoint / path.name
-        elif checkpoint.is_file() and not path.exists():
-            path = checkpoint
+        path = checkpoint / Path(entry["path"]).name if checkpoint.is_dir() else checkpoint
         if not path.is_file():
             raise CheckpointError(f"checkpoint file {path} (read by convert) does not exist",
                                   "pass the checkpoint with --checkpoint")
