@@ -63,7 +63,13 @@ def test_every_target_builds_and_passes(converted, name, outputs, causal, gqa, m
     for artifact in report["artifacts"]:
         assert artifact["status"] == "ok", artifact["error"]
         assert artifact["numerics"]["passed"] is True
-        assert artifact["bench"]["median_ms"] > 0 and artifact["bench"]["speedup_vs_eager"] > 0
+        bench = artifact["bench"]
+        assert bench["median_ms"] > 0 and bench["speedup_vs_eager"] > 0 and bench["noise"] >= 0
+        low, high = bench["speedup_range"]
+        assert low <= bench["speedup_vs_eager"] <= high and isinstance(bench["speedup_supported"], bool)
+        if not bench["speedup_supported"]:  # marked in the table, explained in the notes
+            assert f"{bench['speedup_vs_eager']:.2f}× ⚠" in (result.out / "report.md").read_text()
+            assert any("not supported by the timings" in n for n in artifact["notes"])
         assert (result.out / artifact["path"]).is_file()
         assert artifact["sha256"] == sha256(result.out / artifact["path"])
     assert report["rewritten"]["numerics"]["passed"] is True

@@ -137,6 +137,16 @@ def _x(value) -> str:
     return "—" if value is None else f"{value:.2f}×"
 
 
+def _speedup(bench: dict) -> str:
+    """The speedup, marked ⚠ where the timings' spread does not support it (the notes give its range)."""
+    text = _x(bench.get("speedup_vs_eager"))
+    return text + " ⚠" if bench.get("speedup_supported") is False else text
+
+
+def _noise(bench: dict) -> str:
+    return "—" if bench.get("noise") is None else f"{bench['noise']:.0%}"
+
+
 def _err(variant: dict) -> str:
     outputs = variant.get("numerics", {}).get("outputs") or []
     if not outputs:
@@ -172,20 +182,20 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"`{r['tolerance']['rule']}`",
     ] + _cost_lines(r) + [
         "",
-        "| variant | status | worst rel. L2 | median ms | p90 ms | p99 ms | speedup | TFLOP/s | build s | size "
-        "| attention kernels |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| variant | status | worst rel. L2 | median ms | p90 ms | p99 ms | noise | speedup | TFLOP/s | build s "
+        "| size | attention kernels |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     base = r["baseline"]["bench"] or {}
     lines.append(f"| eager (baseline) | — | — | {_ms(base.get('median_ms'))} | {_ms(base.get('p90_ms'))} | "
-                 f"{_ms(base.get('p99_ms'))} | 1.00× | {_tf(base)} | — | — | "
+                 f"{_ms(base.get('p99_ms'))} | {_noise(base)} | 1.00× | {_tf(base)} | — | — | "
                  f"{kernel_summary(r['baseline'].get('kernels'))} |")
     for v in [r["rewritten"]] + r["artifacts"]:
         b = v["bench"] or {}
         size = f"{v['size_bytes'] / 2**20:.1f} MiB" if v.get("size_bytes") else "—"
         build = f"{v['build_s']:.1f}" if v.get("build_s") is not None else "—"
         lines.append(f"| {v['name']} | {_verdict(v)} | {_err(v)} | {_ms(b.get('median_ms'))} | {_ms(b.get('p90_ms'))} "
-                     f"| {_ms(b.get('p99_ms'))} | {_x(b.get('speedup_vs_eager'))} | {_tf(b)} | {build} | {size} "
+                     f"| {_ms(b.get('p99_ms'))} | {_noise(b)} | {_speedup(b)} | {_tf(b)} | {build} | {size} "
                      f"| {kernel_summary((v.get('info') or {}).get('kernels'))} |")
     notes = [(v["name"], v["error"]) for v in [r["rewritten"]] + r["artifacts"] if v.get("error")]
     notes += [(v["name"], n) for v in [r["rewritten"]] + r["artifacts"] for n in v.get("notes", [])]

@@ -86,12 +86,35 @@ class Timing:
     min_ms: float
     stdev_ms: float
     runs: int
+    p25_ms: float
+    p75_ms: float
+    max_ms: float
+    noise: float  # interquartile range over median: the spread of typical calls, blind to rare outliers
 
     @classmethod
     def of(cls, times: list[float]) -> "Timing":
-        return cls(median_ms=statistics.median(times), p90_ms=percentile(times, 0.90),
+        median, p25, p75 = statistics.median(times), percentile(times, 0.25), percentile(times, 0.75)
+        return cls(median_ms=median, p90_ms=percentile(times, 0.90),
                    p99_ms=percentile(times, 0.99), mean_ms=statistics.fmean(times), min_ms=min(times),
-                   stdev_ms=statistics.stdev(times) if len(times) > 1 else 0.0, runs=len(times))
+                   stdev_ms=statistics.stdev(times) if len(times) > 1 else 0.0, runs=len(times),
+                   p25_ms=p25, p75_ms=p75, max_ms=max(times), noise=(p75 - p25) / median if median > 0 else 0.0)
+
+
+NOISY = 0.10  # a variant whose interquartile range exceeds 10% of its median is noisy
+SPEEDUP_SPREAD = 1.25  # a speedup whose plausible range spans more than 25% is not supported by the timings
+
+
+def speedup(baseline: dict[str, Any], candidate: dict[str, Any]) -> dict[str, Any]:
+    """The speedup of ``candidate`` over ``baseline`` (median over median) and what the timings support.
+
+    Its range pairs the quartiles the other way round (baseline p25 / candidate p75 to baseline p75 /
+    candidate p25): where that range spans more than ``SPEEDUP_SPREAD``, or straddles 1 (no telling which
+    is faster), the figure is not supported and the report marks it."""
+    value = baseline["median_ms"] / candidate["median_ms"]
+    low = baseline["p25_ms"] / candidate["p75_ms"] if candidate["p75_ms"] > 0 else value
+    high = baseline["p75_ms"] / candidate["p25_ms"] if candidate["p25_ms"] > 0 else value
+    supported = high / low <= SPEEDUP_SPREAD and not low < 1.0 < high if low > 0 else False
+    return {"speedup_vs_eager": value, "speedup_range": [low, high], "speedup_supported": supported}
 
 
 class Timed(Protocol):
@@ -209,10 +232,20 @@ def benchmark(live: dict[str, Any], sample, results, settings, device: str, flop
     for result in results:
         if result.bench and eager_bench:
             if result.device == device:
-                result.bench["speedup_vs_eager"] = eager_bench["median_ms"] / result.bench["median_ms"]
+                result.bench.update(speedup(eager_bench, result.bench))
+                if not result.bench["speedup_supported"]:
+                    low, high = result.bench["speedup_range"]
+                    result.notes.append(f"speedup {result.bench['speedup_vs_eager']:.2f}× not supported by the "
+                                        f"timings: between {low:.2f}× and {high:.2f}× from the interquartile "
+                                        f"ranges (noise: eager {eager_bench['noise']:.0%}, this "
+                                        f"{result.bench['noise']:.0%} of the median)")
             else:
                 result.bench["speedup_vs_eager"] = None
                 result.notes.append(f"timed on {result.device}; the eager baseline ran on {device}: no speedup")
         if result.info.get("compile_s") is not None:
             result.build_s = result.info["compile_s"]
+    if eager_bench and eager_bench["noise"] > NOISY:
+        warnings.append(f"the eager baseline's timings are noisy: interquartile range {eager_bench['noise']:.0%} of "
+                        f"the median, slowest call {eager_bench['max_ms'] / eager_bench['median_ms']:.0f}× the "
+                        "median; speedups marked ⚠ are not supported (a busy machine? run again on an idle one)")
     return eager_bench, warnings
