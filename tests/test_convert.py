@@ -133,6 +133,9 @@ def test_dynamic_dims_work_in_the_artifacts(converted, tiny_models):
     session = ort.InferenceSession(str(result.out / "model.onnx"), providers=["CPUExecutionProvider"])
     got = session.run(None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})[0]
     assert np.allclose(got, expected.numpy(), atol=1e-4)
+    shapes = {i.name: i.shape for i in session.get_inputs() + session.get_outputs()}  # what an ORT user sees
+    assert shapes == {"input_ids": ["batch", "sequence"], "attention_mask": ["batch", "sequence"],
+                      "logits": ["batch", "sequence", 1000]}
     dims = result.report["inputs"]["dynamic"]
     assert dims["input_ids"]["0"]["dim"] == "batch" and dims["input_ids"]["1"]["dim"] == "sequence"
 

@@ -1,7 +1,8 @@
 """Target ``onnx``: the dynamo ONNX exporter, checked with ``onnx.checker``, run with onnxruntime.
 
 At opset 23 and above SDPA becomes the ONNX ``Attention`` op. Inputs and
-outputs carry the model's real names. Models over 256 MiB store their weights in
+outputs carry the model's real names, and their dynamic dims the declared dims' names (``batch``,
+``sequence``). Models over 256 MiB store their weights in
 ``model.onnx.data`` beside the graph: saving them inside the ``.onnx`` serialises the whole model in
 memory (twice the weights, measured), external data is written tensor by tensor.
 
@@ -17,8 +18,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import re
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import onnx
@@ -109,6 +112,25 @@ def placement(device: str, dtype: str, provider: str, choice: str, float_values:
     return Placement(device, dtype, in_float32, notes)
 
 
+def name_dims(proto: onnx.ModelProto, dynamic: dict[str, dict[int, Any]]) -> dict[str, str]:
+    """Give the exporter's symbolic dims (``s43``) the declared dims' names (``batch``) in the graph's inputs,
+    outputs and value infos, expressions (``s43*s53``) included; returns the renaming."""
+    renames: dict[str, str] = {}
+    for value in proto.graph.input:
+        axes = dynamic.get(value.name, {})
+        for axis, dim in enumerate(value.type.tensor_type.shape.dim):
+            if axis in axes and dim.dim_param:
+                renames.setdefault(dim.dim_param, axes[axis].name)
+    if not renames:
+        return renames
+    pattern = re.compile(r"\b(" + "|".join(re.escape(k) for k in sorted(renames, key=len, reverse=True)) + r")\b")
+    for value in [*proto.graph.input, *proto.graph.output, *proto.graph.value_info]:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param:
+                dim.dim_param = pattern.sub(lambda m: renames[m.group(1)], dim.dim_param)
+    return renames
+
+
 def build(ctx: BuildContext) -> list[Built]:
     t0 = time.perf_counter()
     provider = choose_provider(ctx.device)
@@ -133,14 +155,18 @@ def build(ctx: BuildContext) -> list[Built]:
         external = size > EXTERNAL_DATA_BYTES
         onnx_program.save(str(path), external_data=external)
         del onnx_program
-    onnx.checker.check_model(str(path), full_check=True)
     proto = onnx.load(str(path), load_external_data=False)
+    if name_dims(proto, ctx.plan.dynamic_axes()):
+        onnx.save(proto, str(path))  # the graph only: weights in model.onnx.data stay where they are
+    onnx.checker.check_model(str(path), full_check=True)
     ops = collections.Counter(node.op_type for node in proto.graph.node)
     data = path.with_name(path.name + ".data")
     files = [path] + ([data] if external and data.exists() else [])
     graph = {"attention": ops.get("Attention", 0), "softmax": ops.get("Softmax", 0), "matmul": ops.get("MatMul", 0),
              "opset": next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None),
              "inputs": [i.name for i in proto.graph.input], "outputs": [o.name for o in proto.graph.output],
+             "shapes": {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+                        for v in [*proto.graph.input, *proto.graph.output]},
              "provider": provider, "dtype": dtype}
     spec = RunnerSpec("onnx", "onnx", device, dtype, path=str(path), options=(("provider", provider),))
     return [Built("onnx", "onnx", spec, path, files, time.perf_counter() - t0, notes=notes, graph=graph)]
