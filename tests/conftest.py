@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
 
@@ -12,6 +13,27 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 TINY = dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=1000)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def every_report_validates(tmp_path_factory):
+    """After the session: every report.json any test wrote validates against the shipped JSON Schema."""
+    yield
+    jsonschema = pytest.importorskip("jsonschema")
+    from exporter.report import report_schema
+
+    validator = jsonschema.Draft202012Validator(report_schema(), format_checker=jsonschema.FormatChecker())
+    problems = []
+    for path in sorted(tmp_path_factory.getbasetemp().rglob("report.json")):
+        try:
+            report = json.loads(path.read_text())
+        except ValueError:
+            continue  # a test that writes a broken report on purpose
+        if report.get("schema_version") != 1 or "artifacts" not in report:
+            continue  # not a convert report (or one a test damaged on purpose)
+        for error in validator.iter_errors(report):
+            problems.append(f"{path}: {'/'.join(map(str, error.absolute_path))}: {error.message[:200]}")
+    assert not problems, "reports that do not match src/exporter/report.schema.json:\n" + "\n".join(problems[:20])
 
 
 def _save(model, folder: Path) -> Path:

@@ -9,6 +9,7 @@ software versions and the device, so a release can be verified later.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,6 +24,14 @@ from .results import FAILED, NUMERICS_FAILED, OK, SKIPPED, VariantResult
 
 REPORT_SCHEMA_VERSION = 1
 MANIFEST_SCHEMA_VERSION = 1
+
+
+SCHEMA_FILE = Path(__file__).with_name("report.schema.json")  # shipped in the wheel beside this module
+
+
+def report_schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) every ``report.json`` of this schema version validates against."""
+    return json.loads(SCHEMA_FILE.read_text(encoding="utf-8"))
 
 
 def _variant_dict(result: VariantResult) -> dict[str, Any]:
@@ -380,4 +389,4 @@ def write_all(staging: Path, report: dict[str, Any], extra: dict[str, Any]) -> N
     write_json(staging / "manifest.json", manifest)
 
 
-__all__ = ["assemble", "render_markdown", "write_all", "kernel_summary", "REPORT_SCHEMA_VERSION"]
+__all__ = ["assemble", "render_markdown", "write_all", "kernel_summary", "report_schema", "REPORT_SCHEMA_VERSION"]

@@ -1,0 +1,55 @@
+"""report.json has a JSON Schema, shipped in the package; a real report validates and damaged ones do not.
+
+conftest.py's ``every_report_validates`` also checks every report the rest of the suite writes."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import jsonschema
+import pytest
+
+import exporter
+from exporter.report import SCHEMA_FILE, report_schema
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def report(tiny_models, tmp_path_factory):
+    from exporter.recipe import apply_settings, load_recipe
+
+    recipe = apply_settings(load_recipe("cpu-fp32"), ("targets.build=exported_program,onnx", "bench.rounds=1",
+                                                      "bench.iterations=3", "bench.warmup=1"))
+    result = exporter.convert(tiny_models["vit"], recipe, tmp_path_factory.mktemp("schema") / "out")
+    return json.loads((result.out / "report.json").read_text())
+
+
+def errors(report) -> list[str]:
+    validator = jsonschema.Draft202012Validator(report_schema(), format_checker=jsonschema.FormatChecker())
+    return ["/".join(map(str, e.absolute_path)) or "(top)" for e in validator.iter_errors(report)]
+
+
+def test_the_schema_is_a_valid_json_schema_inside_the_package():
+    jsonschema.Draft202012Validator.check_schema(report_schema())
+    assert SCHEMA_FILE.parent.name == "exporter"
+
+
+def test_a_real_report_validates(report):
+    assert errors(report) == []
+
+
+@pytest.mark.parametrize("damage, where", [
+    (lambda r: r["artifacts"][0].update(surprise=1), "artifacts/0"),
+    (lambda r: r["artifacts"][0]["bench"].pop("noise"), "artifacts/0/bench"),
+    (lambda r: r["model"].update(checkpoint="/home/someone/models/vit"), "model/checkpoint"),
+    (lambda r: r["artifacts"][0].update(status="fine"), "artifacts/0/status"),
+    (lambda r: r.pop("run"), "(top)"),
+    (lambda r: r["environment"]["device"].update(hostname="build-7"), "environment/device"),
+    (lambda r: r["artifacts"][0]["files"][0].update(sha256="not-a-hash"), "artifacts/0/files/0/sha256"),
+])
+def test_damaged_reports_do_not_validate(report, damage, where):
+    broken = copy.deepcopy(report)
+    damage(broken)
+    assert where in errors(broken)
