@@ -34,7 +34,7 @@ def test_a_clear_speedup_is_supported_and_a_noisy_one_is_not():
 
 
 def test_the_table_marks_an_unsupported_speedup():
-    from exporter.report import _noise, _speedup
+    from exporter.report.markdown import _noise, _speedup
 
     bench = {**timing(2.5, 0.02), **speedup(timing(10.0, 0.9), timing(2.5, 0.02))}
     assert _speedup(bench).endswith("⚠") and _noise(bench).endswith("%")

@@ -109,7 +109,7 @@ def test_builtin_recipes_resolve_after_a_plain_install(tmp_path):
     wheel = next(wheels.glob("exporter-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "exporter/recipes/cpu-fp32.toml" in names
-    assert "exporter/report.schema.json" in names  # consumers validate reports against the installed schema
+    assert "exporter/report/schema.json" in names  # consumers validate reports against the installed schema
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
                    check=True)

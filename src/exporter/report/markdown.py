@@ -1,141 +1,10 @@
-"""Stage 5, report: ``report.json`` (schema in docs/report-schema.md), ``report.md``, and ``manifest.json``.
-
-Every file is written atomically; ``manifest.json`` is written last, so its
-presence means the run finished. The manifest holds the SHA-256 of the
-checkpoint and of every file in the output folder, the resolved recipe, the
-software versions and the device, so a release can be verified later.
-"""
+"""``report.md``: the report for people, a summary table per variant, the notes, the grid and the sites."""
 
 from __future__ import annotations
 
-import datetime as dt
-import json
-import os
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
-from .environment import device_info, versions
-from .errors import EXIT_NUMERICS, EXIT_OK, EXIT_TARGET
-from .numerics.tolerance import RULE
-from .outdir import model_name, public_path, sha256_file, write_atomic, write_json
-from .recipe import K_DEFAULTS, public_source
-from .results import FAILED, NUMERICS_FAILED, OK, SKIPPED, VariantResult
-
-REPORT_SCHEMA_VERSION = 1
-MANIFEST_SCHEMA_VERSION = 1
-
-
-SCHEMA_FILE = Path(__file__).with_name("report.schema.json")  # shipped in the wheel beside this module
-
-
-def report_schema() -> dict[str, Any]:
-    """The JSON Schema (draft 2020-12) every ``report.json`` of this schema version validates against."""
-    return json.loads(SCHEMA_FILE.read_text(encoding="utf-8"))
-
-
-def _variant_dict(result: VariantResult) -> dict[str, Any]:
-    return {
-        "target": result.target,
-        "name": result.name,
-        "status": result.status,
-        "error": result.error,
-        "path": str(result.path) if result.path else None,
-        "sha256": result.sha256,
-        "size_bytes": result.size_bytes,
-        "files": result.files,
-        "device": result.device,
-        "dtype": result.dtype,
-        "build_s": result.build_s,
-        "load_s": result.load_s,
-        "graph": result.graph,
-        "notes": result.notes,
-        "info": {k: v for k, v in result.info.items() if not k.startswith("_")},
-        "numerics": result.numerics.to_dict() if result.numerics else {"passed": None},
-        "bench": result.bench or {"median_ms": None, "speedup_vs_eager": None},
-    }
-
-
-def _exit_code(results: list[VariantResult], allow_drift: bool) -> tuple[int, list[str]]:
-    problems = []
-    numerics_failed = [r for r in results if r.status == NUMERICS_FAILED]
-    failed = [r for r in results if r.status == FAILED]
-    for r in numerics_failed:
-        problems.append(f"{r.name}: numerics failed: {r.error}")
-    for r in failed:
-        problems.append(f"{r.name}: {r.error}")
-    if numerics_failed and not allow_drift:
-        return EXIT_NUMERICS, problems
-    if failed:
-        return EXIT_TARGET, problems
-    return EXIT_OK, problems
-
-
-def assemble(*, recipe, checkpoint, loaded, plan, signature, reference, audit, results, eager_bench, allow_drift,
-             warnings, timings, staging, total_s, grid=None, eager_kernels=None, backend_choice=None) -> dict[str, Any]:
-    exit_code, problems = _exit_code(results, allow_drift)
-    model = loaded.model
-    params = sum(p.numel() for p in model.parameters())
-    dtypes: dict[str, int] = {}
-    for info in loaded.checkpoint.entries.values():
-        key = str(info.dtype).replace("torch.", "")
-        dtypes[key] = dtypes.get(key, 0) + 1
-    passed = all(r.status in (OK, SKIPPED) for r in results)
-    dynamic = {name: {str(axis): {"dim": d.name, "min": d.min, "max": d.max} for axis, d in axes.items()}
-               for name, axes in plan.dynamic_axes().items()}
-    return {
-        "schema_version": REPORT_SCHEMA_VERSION,
-        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "passed": passed,
-        "exit_code": exit_code,
-        "problems": problems,
-        "allow_drift": allow_drift,
-        "warnings": list(warnings),
-        "model": {
-            "name": model_name(Path(checkpoint)),
-            "checkpoint": public_path(checkpoint),
-            "format": loaded.checkpoint.format,
-            "architecture": loaded.architecture.name,
-            "architecture_source": loaded.architecture.source,
-            "parameters": params,
-            "checkpoint_bytes": loaded.checkpoint.nbytes,
-            "checkpoint_dtypes": dtypes,
-        },
-        "recipe": {"name": recipe.name, "source": public_source(recipe), "device": recipe.runtime.device,
-                   "dtype": recipe.runtime.dtype, "attention_backend": recipe.runtime.attention_backend,
-                   "rewrite_attention": recipe.runtime.rewrite_attention, "targets": list(recipe.targets.build)},
-        "inputs": {
-            "source": plan.source,
-            "seed": plan.seed,
-            "seeds": plan.seeds,
-            "samples": len(plan.samples),
-            "names": list(signature.inputs),
-            "shapes": {n: list(t.shape) for n, t in plan.samples[0].items()},
-            "dtypes": {n: str(t.dtype).replace("torch.", "") for n, t in plan.samples[0].items()},
-            "dynamic": dynamic,
-            "notes": plan.notes,
-            "grid": grid.to_dict() if grid is not None else None,
-        },
-        "outputs": list(signature.outputs),
-        "reference": {"device": reference.device, "dtype": reference.dtype, "flops": reference.flops,
-                      "note": reference.note,
-                      "model": "original (eager attention, not rewritten)"},
-        "tolerance": {"rule": RULE, "k": recipe.numerics.k,
-                      "k_default": ", ".join(f"{k:g} for {dtype}" for dtype, k in K_DEFAULTS.items()),
-                      "atol": recipe.numerics.atol, "grid": recipe.numerics.grid,
-                      "grid_budget": recipe.numerics.grid_budget, "locate": recipe.numerics.locate},
-        "attention": {**audit.to_dict(), "backend_choice": backend_choice},
-        "baseline": {"name": "eager", "device": recipe.runtime.device, "dtype": recipe.runtime.dtype,
-                     "kernels": eager_kernels,
-                     "bench": eager_bench},
-        "rewritten": _variant_dict(results[0]),
-        "artifacts": [_variant_dict(r) for r in results[1:]],
-        "timings_s": {**{k: round(v, 3) for k, v in timings.items()}, "total": round(total_s, 3)},
-        "environment": {"versions": versions(), "device": device_info(recipe.runtime.device, host=recipe.report.host)},
-    }
-
-
-# --------------------------------------------------------------------------- markdown
+from ..results import FAILED, NUMERICS_FAILED, OK, SKIPPED
 
 
 def _ms(value) -> str:
@@ -206,6 +75,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {v['name']} | {_verdict(v)} | {_err(v)} | {_ms(b.get('median_ms'))} | {_ms(b.get('p90_ms'))} "
                      f"| {_ms(b.get('p99_ms'))} | {_noise(b)} | {_speedup(b)} | {_tf(b)} | {build} | {size} "
                      f"| {kernel_summary((v.get('info') or {}).get('kernels'))} |")
+    if r.get("chart"):
+        lines += ["", f"![Latency and speedup per variant]({r['chart']})"]
     notes = [(v["name"], v["error"]) for v in [r["rewritten"]] + r["artifacts"] if v.get("error")]
     notes += [(v["name"], n) for v in [r["rewritten"]] + r["artifacts"] for n in v.get("notes", [])]
     if notes or r["warnings"]:
@@ -331,62 +202,3 @@ def _tf(bench: dict) -> str:
 
 def _b(value) -> str:
     return "—" if value is None else ("yes" if value else "no")
-
-
-# --------------------------------------------------------------------------- writing
-
-
-def build_manifest(staging: Path, report: dict[str, Any], checkpoint_files: list[Path], recipe_dict) -> dict:
-    """Every file of the output folder and of the checkpoint with its SHA-256 (hashed in parallel; an
-    artifact's hash, taken when it was built, is reused while its size is unchanged)."""
-    known = {f["path"]: f for a in report["artifacts"] for f in (a.get("files") or [])}
-    paths = [p for p in sorted(staging.rglob("*")) if p.is_file() and p.name != "manifest.json"
-             and not p.name.startswith(".")]
-    fresh = [p for p in paths if not _still(known.get(str(p.relative_to(staging))), p)]
-    checkpoints = [Path(p) for p in checkpoint_files]
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:  # hashlib releases the GIL
-        digests = dict(zip(fresh + checkpoints, pool.map(sha256_file, fresh + checkpoints)))
-    files = [known[str(p.relative_to(staging))] if p not in digests else
-             {"path": str(p.relative_to(staging)), "sha256": digests[p], "bytes": p.stat().st_size} for p in paths]
-    return {
-        "schema_version": MANIFEST_SCHEMA_VERSION,
-        "created": report["created"],
-        "passed": report["passed"],
-        "exit_code": report["exit_code"],
-        "checkpoint": [{"path": p.name, "sha256": digests[p], "bytes": p.stat().st_size}  # within the checkpoint
-                       for p in checkpoints],
-        "files": files,
-        "artifacts": [{"target": a["name"], "path": a["path"], "sha256": a["sha256"]}
-                      for a in report["artifacts"] if a["path"]],
-        "recipe": recipe_dict,
-        "versions": report["environment"]["versions"],
-        "device": report["environment"]["device"],
-    }
-
-
-def _still(entry: dict[str, Any] | None, path: Path) -> bool:
-    return entry is not None and entry.get("bytes") == path.stat().st_size
-
-
-def _drop_empty_logs(staging: Path) -> None:
-    logs = staging / "logs"
-    if logs.is_dir():
-        for log in logs.iterdir():
-            if log.is_file() and log.stat().st_size == 0:
-                log.unlink()
-        if not any(logs.iterdir()):
-            logs.rmdir()
-
-
-def write_all(staging: Path, report: dict[str, Any], extra: dict[str, Any]) -> None:
-    """report.json, report.md, recipe.json, then manifest.json last."""
-    _drop_empty_logs(staging)
-    recipe_dict = extra.get("recipe")
-    write_json(staging / "recipe.json", recipe_dict)
-    write_json(staging / "report.json", report)
-    write_atomic(staging / "report.md", render_markdown(report))
-    manifest = build_manifest(staging, report, extra.get("checkpoint_files", []), recipe_dict)
-    write_json(staging / "manifest.json", manifest)
-
-
-__all__ = ["assemble", "render_markdown", "write_all", "kernel_summary", "report_schema", "REPORT_SCHEMA_VERSION"]

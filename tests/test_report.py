@@ -1,6 +1,6 @@
-"""report.json has a JSON Schema, shipped in the package; a real report validates and damaged ones do not.
-
-conftest.py's ``every_report_validates`` also checks every report the rest of the suite writes."""
+"""The report files: report.json has a JSON Schema, shipped in the package (a real report validates, damaged
+ones do not; conftest.py's ``every_report_validates`` also checks every report the rest of the suite
+writes); report.png draws the timings and report.md links it."""
 
 from __future__ import annotations
 
@@ -17,13 +17,18 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def report(tiny_models, tmp_path_factory):
+def folder(tiny_models, tmp_path_factory):
     from exporter.recipe import apply_settings, load_recipe
 
     recipe = apply_settings(load_recipe("cpu-fp32"), ("targets.build=exported_program,onnx", "bench.rounds=1",
                                                       "bench.iterations=3", "bench.warmup=1"))
     result = exporter.convert(tiny_models["vit"], recipe, tmp_path_factory.mktemp("schema") / "out")
-    return json.loads((result.out / "report.json").read_text())
+    return result.out
+
+
+@pytest.fixture
+def report(folder):
+    return json.loads((folder / "report.json").read_text())
 
 
 def errors(report) -> list[str]:
@@ -33,7 +38,7 @@ def errors(report) -> list[str]:
 
 def test_the_schema_is_a_valid_json_schema_inside_the_package():
     jsonschema.Draft202012Validator.check_schema(report_schema())
-    assert SCHEMA_FILE.parent.name == "exporter"
+    assert SCHEMA_FILE.parent.name == "report" and SCHEMA_FILE.parent.parent.name == "exporter"
 
 
 def test_a_real_report_validates(report):
@@ -53,3 +58,21 @@ def test_damaged_reports_do_not_validate(report, damage, where):
     broken = copy.deepcopy(report)
     damage(broken)
     assert where in errors(broken)
+
+
+def test_the_chart_is_an_image_of_the_timed_variants_linked_from_the_markdown(folder, report):
+    from PIL import Image
+
+    from exporter.report.chart import size_px, timed_rows
+
+    assert report["chart"] == "report.png"
+    rows = timed_rows(report)
+    assert [name for name, _ in rows] == ["eager (baseline)", "rewritten", "exported_program", "onnx"]
+    with Image.open(folder / "report.png") as image:
+        image.verify()  # a whole, valid PNG
+    with Image.open(folder / "report.png") as image:
+        assert image.format == "PNG" and image.size == size_px(len(rows))
+        assert len(set(image.convert("RGB").getdata())) > 50  # drawn, not blank
+    assert "![Latency and speedup per variant](report.png)" in (folder / "report.md").read_text()
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert "report.png" in {f["path"] for f in manifest["files"]}

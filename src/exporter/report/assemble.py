@@ -1,0 +1,126 @@
+"""The report's data: one dict for ``report.json`` (its JSON Schema: ``schema.json`` beside this module;
+the fields in docs/report-schema.md), from everything the stages found."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+from typing import Any
+
+from ..environment import device_info, versions
+from ..errors import EXIT_NUMERICS, EXIT_OK, EXIT_TARGET
+from ..numerics.tolerance import RULE
+from ..outdir import model_name, public_path
+from ..recipe import K_DEFAULTS, public_source
+from ..results import FAILED, NUMERICS_FAILED, OK, SKIPPED, VariantResult
+
+REPORT_SCHEMA_VERSION = 1
+MANIFEST_SCHEMA_VERSION = 1
+SCHEMA_FILE = Path(__file__).with_name("schema.json")  # shipped in the wheel beside this module
+
+
+def report_schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) every ``report.json`` of this schema version validates against."""
+    return json.loads(SCHEMA_FILE.read_text(encoding="utf-8"))
+
+
+def _variant_dict(result: VariantResult) -> dict[str, Any]:
+    return {
+        "target": result.target,
+        "name": result.name,
+        "status": result.status,
+        "error": result.error,
+        "path": str(result.path) if result.path else None,
+        "sha256": result.sha256,
+        "size_bytes": result.size_bytes,
+        "files": result.files,
+        "device": result.device,
+        "dtype": result.dtype,
+        "build_s": result.build_s,
+        "load_s": result.load_s,
+        "graph": result.graph,
+        "notes": result.notes,
+        "info": {k: v for k, v in result.info.items() if not k.startswith("_")},
+        "numerics": result.numerics.to_dict() if result.numerics else {"passed": None},
+        "bench": result.bench or {"median_ms": None, "speedup_vs_eager": None},
+    }
+
+
+def _exit_code(results: list[VariantResult], allow_drift: bool) -> tuple[int, list[str]]:
+    problems = []
+    numerics_failed = [r for r in results if r.status == NUMERICS_FAILED]
+    failed = [r for r in results if r.status == FAILED]
+    for r in numerics_failed:
+        problems.append(f"{r.name}: numerics failed: {r.error}")
+    for r in failed:
+        problems.append(f"{r.name}: {r.error}")
+    if numerics_failed and not allow_drift:
+        return EXIT_NUMERICS, problems
+    if failed:
+        return EXIT_TARGET, problems
+    return EXIT_OK, problems
+
+
+def assemble(*, recipe, checkpoint, loaded, plan, signature, reference, audit, results, eager_bench, allow_drift,
+             warnings, timings, staging, total_s, grid=None, eager_kernels=None, backend_choice=None) -> dict[str, Any]:
+    exit_code, problems = _exit_code(results, allow_drift)
+    model = loaded.model
+    params = sum(p.numel() for p in model.parameters())
+    dtypes: dict[str, int] = {}
+    for info in loaded.checkpoint.entries.values():
+        key = str(info.dtype).replace("torch.", "")
+        dtypes[key] = dtypes.get(key, 0) + 1
+    passed = all(r.status in (OK, SKIPPED) for r in results)
+    dynamic = {name: {str(axis): {"dim": d.name, "min": d.min, "max": d.max} for axis, d in axes.items()}
+               for name, axes in plan.dynamic_axes().items()}
+    return {
+        "schema_version": REPORT_SCHEMA_VERSION,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "passed": passed,
+        "exit_code": exit_code,
+        "problems": problems,
+        "allow_drift": allow_drift,
+        "warnings": list(warnings),
+        "model": {
+            "name": model_name(Path(checkpoint)),
+            "checkpoint": public_path(checkpoint),
+            "format": loaded.checkpoint.format,
+            "architecture": loaded.architecture.name,
+            "architecture_source": loaded.architecture.source,
+            "parameters": params,
+            "checkpoint_bytes": loaded.checkpoint.nbytes,
+            "checkpoint_dtypes": dtypes,
+        },
+        "recipe": {"name": recipe.name, "source": public_source(recipe), "device": recipe.runtime.device,
+                   "dtype": recipe.runtime.dtype, "attention_backend": recipe.runtime.attention_backend,
+                   "rewrite_attention": recipe.runtime.rewrite_attention, "targets": list(recipe.targets.build)},
+        "inputs": {
+            "source": plan.source,
+            "seed": plan.seed,
+            "seeds": plan.seeds,
+            "samples": len(plan.samples),
+            "names": list(signature.inputs),
+            "shapes": {n: list(t.shape) for n, t in plan.samples[0].items()},
+            "dtypes": {n: str(t.dtype).replace("torch.", "") for n, t in plan.samples[0].items()},
+            "dynamic": dynamic,
+            "notes": plan.notes,
+            "grid": grid.to_dict() if grid is not None else None,
+        },
+        "outputs": list(signature.outputs),
+        "reference": {"device": reference.device, "dtype": reference.dtype, "flops": reference.flops,
+                      "note": reference.note,
+                      "model": "original (eager attention, not rewritten)"},
+        "tolerance": {"rule": RULE, "k": recipe.numerics.k,
+                      "k_default": ", ".join(f"{k:g} for {dtype}" for dtype, k in K_DEFAULTS.items()),
+                      "atol": recipe.numerics.atol, "grid": recipe.numerics.grid,
+                      "grid_budget": recipe.numerics.grid_budget, "locate": recipe.numerics.locate},
+        "attention": {**audit.to_dict(), "backend_choice": backend_choice},
+        "baseline": {"name": "eager", "device": recipe.runtime.device, "dtype": recipe.runtime.dtype,
+                     "kernels": eager_kernels,
+                     "bench": eager_bench},
+        "rewritten": _variant_dict(results[0]),
+        "artifacts": [_variant_dict(r) for r in results[1:]],
+        "timings_s": {**{k: round(v, 3) for k, v in timings.items()}, "total": round(total_s, 3)},
+        "environment": {"versions": versions(), "device": device_info(recipe.runtime.device, host=recipe.report.host)},
+    }
