@@ -143,6 +143,28 @@ def test_without_the_defect_the_same_run_passes(tiny_models, tmp_path):
     assert result.report["inputs"]["seeds"] == [0, 1]
 
 
+def scale_off_by_1e_5(module, q, k, v, mask, kwargs):
+    return q, k, v, mask, {**kwargs, "scaling": module.scaling * (1 + 1e-5)}
+
+
+def test_a_float32_defect_fifteen_times_the_eager_error_fails(minilm_path, tmp_path):
+    """all-MiniLM-L6-v2 on cpu-fp32: a softmax scale 0.001% off in every layer makes the candidates about 15x
+    as wrong as the float32 eager model (4.7e-6 against 3.1e-7, measured). Under a fixed absolute floor of
+    1e-5 (the old rule) it passed; the floor scaled to the output (one float32 rounding at its RMS) fails it."""
+    with planted_sdpa(scale_off_by_1e_5):
+        result = exporter.convert(minilm_path, quick(["exported_program"], rewrite_attention=True), tmp_path / "new")
+        old_rule = dataclasses.replace(quick(["exported_program"]), numerics=dataclasses.replace(
+            load_recipe("cpu-fp32").numerics, atol=1e-5, floor=0.0, locate=False, grid=False))
+        before = exporter.convert(minilm_path, old_rule, tmp_path / "old")
+    assert before.exit_code == 0, before.report["problems"]  # the hole this rule closes
+    assert result.exit_code == 3
+    for variant in candidates(result.report):
+        assert variant["status"] == "numerics_failed"
+        worst = variant["numerics"]["failures"][0]
+        assert 5 < worst["rmse"] / worst["baseline_rmse"] < 50, worst
+        assert worst["allowed_rmse"] < 1e-6 and "floor" in worst["reason"]
+
+
 def test_wrong_softmax_scale_in_one_layer(tiny_models, tmp_path):
     with planted_sdpa(wrong_scale_in_layer_1):
         result = exporter.convert(tiny_models["llama"], quick(["exported_program"]), tmp_path / "llama")

@@ -105,7 +105,8 @@ class InputsSection:
 @dataclass(frozen=True)
 class NumericsSection:
     k: float | None = None  # None: K_DEFAULTS for the candidate's dtype
-    atol: float = 1e-5
+    atol: float = 0.0  # an absolute floor, in the outputs' units, added to the bar
+    floor: float = 1.0  # roundings to the candidate's dtype at the reference output's RMS, added to the bar
     grid: bool = True  # check every artifact with dynamic dims over the shape grid (docs/numerics.md)
     grid_sizes: tuple[int, ...] = (1, 7, 129)  # awkward sizes tried on every dynamic dim whose range holds them
     grid_budget: float = 8.0  # a grid point holds at most this many times the typical sample's input elements
@@ -450,6 +451,7 @@ def parse_recipe(data: dict, name: str, source: str, problems: _Problems | None 
         grid_sizes = list(dn.grid_sizes)
     numerics = NumericsSection(k=_get(t, "k", float, dn.k, "numerics", p),
                                atol=_get(t, "atol", float, dn.atol, "numerics", p),
+                               floor=_get(t, "floor", float, dn.floor, "numerics", p),
                                grid=_get(t, "grid", bool, dn.grid, "numerics", p), grid_sizes=tuple(grid_sizes),
                                grid_budget=_get(t, "grid_budget", float, dn.grid_budget, "numerics", p),
                                locate=_get(t, "locate", bool, dn.locate, "numerics", p))
@@ -459,6 +461,8 @@ def parse_recipe(data: dict, name: str, source: str, problems: _Problems | None 
         p.add("numerics.k", f"must be at least 1, got {numerics.k}")
     if not numerics.atol >= 0.0:
         p.add("numerics.atol", f"must be non-negative, got {numerics.atol}")
+    if not numerics.floor >= 0.0:
+        p.add("numerics.floor", f"must be non-negative, got {numerics.floor}")
 
     t = table("bench")
     db = BenchSection()

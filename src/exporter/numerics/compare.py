@@ -136,7 +136,7 @@ class Accumulator:
     def metrics(self) -> dict[str, float]:
         """What :func:`exporter.numerics.tolerance.metrics` gives on the whole tensors."""
         if self.size == 0:
-            return {"max_abs": 0.0, "max_rel": 0.0, "rel_l2": 0.0, "cosine": 1.0, "rmse": 0.0}
+            return {"max_abs": 0.0, "max_rel": 0.0, "rel_l2": 0.0, "cosine": 1.0, "rmse": 0.0, "ref_rms": 0.0}
         sq, r2, c2, dot = (float(x) for x in (self.sq, self.r2, self.c2, self.dot))
         max_abs, max_rel = float(self.max_abs), float(self.max_rel)
         ref_norm, diff_norm = math.sqrt(r2) if r2 >= 0 else math.nan, math.sqrt(sq) if sq >= 0 else math.nan
@@ -148,12 +148,14 @@ class Accumulator:
         def finite(x: float) -> float:
             return x if math.isfinite(x) else float("inf")
 
+        ref_rms = math.sqrt(r2 / self.size) if math.isfinite(r2) and r2 >= 0 else 0.0
         return {"max_abs": finite(max_abs), "max_rel": finite(max_rel), "rel_l2": finite(rel_l2),
-                "cosine": cosine if math.isfinite(cosine) else 0.0, "rmse": finite(rmse)}
+                "cosine": cosine if math.isfinite(cosine) else 0.0, "rmse": finite(rmse), "ref_rms": ref_rms}
 
     def check(self, name: str, sample: int, allowed: float, baseline_rmse: float = 0.0,
-              explain: str = "") -> OutputCheck:
-        """The tolerance rule's verdict on what was fed (everything must have been)."""
+              explain: str = "", relative: float = 0.0) -> OutputCheck:
+        """The tolerance rule's verdict on what was fed (everything must have been); ``allowed`` grows by
+        ``relative`` times the reference's RMS (the floor, :func:`~exporter.numerics.tolerance.relative_floor`)."""
         if not self.complete:
             return OutputCheck(name, sample, math.inf, math.inf, math.inf, 0.0, math.inf, 0.0, 0.0, False,
                                f"the candidate returned {self.offset} of the reference's {self.size} values")
@@ -161,8 +163,11 @@ class Accumulator:
             value = 0.0 if self.equal else math.inf
             return OutputCheck(name, sample, value, value, value, 1.0 if self.equal else 0.0, value, 0.0, 0.0,
                                self.equal, "" if self.equal else "integer output differs")
-        return check_against_metrics(name, sample, self.metrics(), int(self.nonfinite), allowed, baseline_rmse,
-                                     explain)
+        m = self.metrics()
+        floor = relative * m["ref_rms"]
+        if relative and explain:
+            explain += f" + floor {floor:.3g}"
+        return check_against_metrics(name, sample, m, int(self.nonfinite), allowed + floor, baseline_rmse, explain)
 
 
 def shape_mismatch(name: str, sample: int, got: tuple[int, ...], want: tuple[int, ...]) -> OutputCheck:

@@ -176,12 +176,13 @@ def replay(calls: list[Call], original: IOModule, counterpart: IOModule, sample:
 
 def locate(original: IOModule, counterpart: IOModule, sample: list[torch.Tensor], device: str, dtype: str,
            k: float, atol: float, *, label: str, program=None, program_label: str = "", backend: str = "auto",
-           max_bytes: int | None = None, failing: bool = True) -> dict[str, Any]:
-    """Localise a failing candidate on one sample; a dict for the report (see docs/numerics.md)."""
+           max_bytes: int | None = None, failing: bool = True, relative: float = 0.0) -> dict[str, Any]:
+    """Localise a failing candidate on one sample; a dict for the report (see docs/numerics.md). ``relative``
+    is the rule's floor per unit of a module's reference RMS (:func:`~exporter.numerics.tolerance.relative_floor`)."""
     torch_dtype = TORCH_DTYPES[dtype]
     outputs: list[torch.Tensor] = []
     calls, note = record_reference(original, sample, max_bytes, outputs)
-    floor = ModuleFloor(atol, outputs)
+    floor = ModuleFloor(atol, outputs, relative)
     result: dict[str, Any] = {"device": device, "dtype": dtype, "module": None, "found_by": None,
                               "replay": None, "graph": None, "notes": [note] if note else []}
     try:

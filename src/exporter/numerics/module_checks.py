@@ -134,21 +134,24 @@ class ModuleFloor:
     (an attention's output before the residual) or larger, so its floor is ``atol`` scaled by the RMS of its
     reference output over the RMS of the model's reference outputs. With an unscaled floor a defect whose
     absolute error stays under ``atol`` where it happens would only be seen downstream, after a norm
-    layer has amplified it, and the wrong module would be named.
+    layer has amplified it, and the wrong module would be named. The rule's rounding floor (``relative`` times
+    the RMS of the reference output) is in each output's own units already.
     """
 
-    def __init__(self, atol: float, outputs: list[torch.Tensor]):
+    def __init__(self, atol: float, outputs: list[torch.Tensor], relative: float = 0.0):
         self.atol = atol
+        self.relative = relative
         floats = [t.detach().reshape(-1).to(torch.float64) for t in outputs
                   if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
         self.scale = float(torch.cat(floats).square().mean().sqrt()) if floats else 0.0
 
     def __call__(self, ref: torch.Tensor) -> float:
-        if not self.scale > 0 or not ref.numel():
+        if not ref.numel():
             return self.atol
         finite = ref[torch.isfinite(ref)].to(torch.float64)
         rms = float(finite.square().mean().sqrt()) if finite.numel() else 0.0
-        return self.atol * rms / self.scale
+        scaled = self.atol * rms / self.scale if self.scale > 0 else self.atol
+        return scaled + self.relative * rms
 
 
 def floor_for(atol: float | Callable[[torch.Tensor], float], ref: torch.Tensor) -> float:

@@ -5,11 +5,16 @@ float64 on the CPU. Each candidate is compared with it per sample and per
 output. The gate is the rule PyTorch's own benchmark harness uses
 (``torch._dynamo.utils.same`` with an fp64 reference): a candidate passes when
 
-    rmse(candidate, ref64) <= k * rmse(eager_in_same_dtype, ref64) + atol
+    rmse(candidate, ref64) <= k * rmse(eager_in_same_dtype, ref64) + floor * u(dtype) * rms(ref64) + atol
 
 so a candidate may be at most ``k`` times as wrong as the original model
-already is at that precision, plus an absolute floor (``k``'s defaults:
-``recipe.K_DEFAULTS``). NaN or Inf where the reference is finite always fails;
+already is at that precision (``k``'s defaults: ``recipe.K_DEFAULTS``), plus a
+floor in the output's own units: ``floor`` roundings to the candidate's dtype
+(unit roundoff ``u``: 2^-24 for float32, 2^-8 for bfloat16) at the reference
+output's RMS, which only matters where the eager model happens to be exact, plus
+an absolute ``atol`` (0 unless a recipe sets it). A fixed absolute floor would
+dwarf the eager error of a float32 model whose outputs are small and let a
+defect many times that error pass. NaN or Inf where the reference is finite always fails;
 integer and boolean outputs must match exactly. ``exporter verify`` applies the
 same check with the bar convert stored (:func:`check_against`).
 """
@@ -23,7 +28,15 @@ import torch
 
 Outputs = list[torch.Tensor]  # one model run: outputs in signature order
 
-RULE = "rmse(candidate, ref) <= k * rmse(eager in the candidate's dtype, ref) + atol"
+RULE = "rmse(candidate, ref) <= k * rmse(eager in the candidate's dtype, ref) + floor * u(dtype) * rms(ref) + atol"
+
+# unit roundoff: the largest relative error of one rounding to the dtype
+UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
+
+
+def relative_floor(floor: float, dtype: str) -> float:
+    """The floor's factor on rms(reference): ``floor`` unit roundoffs of ``dtype``."""
+    return floor * UNIT_ROUNDOFF[dtype]
 
 
 @dataclass
@@ -92,7 +105,7 @@ def metrics(reference: torch.Tensor, candidate: torch.Tensor) -> dict[str, float
     ref = reference.detach().to("cpu", torch.float64).reshape(-1)
     cand = candidate.detach().to("cpu", torch.float64).reshape(-1)
     if ref.numel() == 0:
-        return {"max_abs": 0.0, "max_rel": 0.0, "rel_l2": 0.0, "cosine": 1.0, "rmse": 0.0}
+        return {"max_abs": 0.0, "max_rel": 0.0, "rel_l2": 0.0, "cosine": 1.0, "rmse": 0.0, "ref_rms": 0.0}
     diff = (cand - ref).abs()
     max_abs = float(diff.max())
     max_rel = float((diff / ref.abs().clamp_min(1e-12)).max())
@@ -101,17 +114,27 @@ def metrics(reference: torch.Tensor, candidate: torch.Tensor) -> dict[str, float
     denom = float(ref.norm() * cand.norm())
     cosine = float(ref @ cand) / denom if denom > 0 else (1.0 if max_abs == 0 else 0.0)
     rmse = float(((cand - ref) ** 2).mean().sqrt())
+    finite_ref = ref[torch.isfinite(ref)]
+    ref_rms = float(finite_ref.square().mean().sqrt()) if finite_ref.numel() else 0.0
     return {"max_abs": _finite(max_abs), "max_rel": _finite(max_rel), "rel_l2": _finite(rel_l2),
-            "cosine": cosine if math.isfinite(cosine) else 0.0, "rmse": _finite(rmse)}
+            "cosine": cosine if math.isfinite(cosine) else 0.0, "rmse": _finite(rmse), "ref_rms": ref_rms}
 
 
 def check_output(name: str, sample: int, reference: torch.Tensor, baseline: torch.Tensor, candidate: torch.Tensor,
-                 k: float, atol: float) -> OutputCheck:
-    """The rule: the bar is ``k * rmse(baseline, reference) + atol``."""
+                 k: float, atol: float, relative: float = 0.0) -> OutputCheck:
+    """The rule: the bar is ``k * rmse(baseline, reference) + relative * rms(reference) + atol``
+    (``relative``: :func:`relative_floor`)."""
     comparable = tuple(candidate.shape) == tuple(reference.shape) and reference.is_floating_point()
-    base = metrics(reference, baseline)["rmse"] if comparable else 0.0
-    return check_against(name, sample, reference, candidate, k * base + atol, base,
-                         f"k={k:g} x baseline {base:.3g} + atol {atol:g}")
+    base_metrics = metrics(reference, baseline) if comparable else {"rmse": 0.0, "ref_rms": 0.0}
+    base, floor = base_metrics["rmse"], relative * base_metrics["ref_rms"]
+    return check_against(name, sample, reference, candidate, k * base + floor + atol, base,
+                         explain_bar(k, base, floor, atol))
+
+
+def explain_bar(k: float, base: float, floor: float | None, atol: float) -> str:
+    """How a bar was made, for a failure's reason (``floor`` None: added later, where the reference is read)."""
+    text = f"k={k:g} x baseline {base:.3g}" + (f" + floor {floor:.3g}" if floor is not None else "")
+    return text + (f" + atol {atol:g}" if atol else "")
 
 
 def check_against(name: str, sample: int, reference: torch.Tensor, candidate: torch.Tensor, allowed: float,
@@ -148,7 +171,8 @@ def check_against_metrics(name: str, sample: int, m: dict[str, float], nonfinite
 
 
 def judge(candidate: str, output_names: tuple[str, ...], reference: list[Outputs], baseline: list[Outputs],
-          outputs: list[Outputs], k: float, atol: float, baseline_label: str) -> CandidateNumerics:
+          outputs: list[Outputs], k: float, atol: float, baseline_label: str,
+          relative: float = 0.0) -> CandidateNumerics:
     """Compare every sample and output (whole tensors in memory); keep each output's worst sample and every
     failure."""
     checks = []
@@ -157,7 +181,8 @@ def judge(candidate: str, output_names: tuple[str, ...], reference: list[Outputs
             checks.append(OutputCheck("*", index, math.inf, math.inf, math.inf, 0.0, math.inf, 0.0, 0.0, False,
                                       f"returned {len(cand)} outputs, expected {len(output_names)}"))
             continue
-        checks += [check_output(name, index, r, b, c, k, atol) for name, r, b, c in zip(output_names, ref, base, cand)]
+        checks += [check_output(name, index, r, b, c, k, atol, relative)
+                   for name, r, b, c in zip(output_names, ref, base, cand)]
     return verdict_of_checks(candidate, output_names, checks, k, atol, baseline_label)
 
 

@@ -28,7 +28,7 @@ from .compare import InMemory, read_stream, rmse_of
 from .grid import GridPlan, artifact_signature, describe_signature, plan_grid, point_sample
 from .locate import locate
 from .reference import Reference, cast_in_place, full_float32, run_reference
-from .tolerance import OutputCheck, ratio, verdict_of_checks
+from .tolerance import OutputCheck, explain_bar, ratio, relative_floor, verdict_of_checks
 
 # What localisation replays for each kind of candidate (the report quotes these).
 REPLAYED = {
@@ -126,10 +126,11 @@ class Validation:
         """Read one sample's output stream and judge every output against its reference and bar."""
         names = self.signature.outputs
         k, atol = self.recipe.numerics.multiplier(dtype), self.recipe.numerics.atol
+        relative = relative_floor(self.recipe.numerics.floor, dtype)
         items = read_stream(stream, names, [InMemory(ref) for ref in references], sample)
         return [item if isinstance(item, OutputCheck) else
-                item.check(name, sample, k * base[i] + atol, base[i],
-                           f"k={k:g} x baseline {base[i]:.3g} + atol {atol:g}")
+                item.check(name, sample, k * base[i] + atol, base[i], explain_bar(k, base[i], None, atol),
+                           relative=relative)
                 for i, (name, item) in enumerate(zip(names, items))]
 
     def judge(self, result: VariantResult, runner) -> None:
@@ -319,7 +320,8 @@ class Validation:
                        self.recipe.numerics.atol, label=REPLAYED.get(result.target, REPLAYED["compile"]),
                        program=program if use_program else None,
                        program_label=PROGRAM_REPLAYED.get(result.target, ""),
-                       backend=self.recipe.runtime.attention_backend, failing=result.status != OK)
+                       backend=self.recipe.runtime.attention_backend, failing=result.status != OK,
+                       relative=relative_floor(self.recipe.numerics.floor, dtype))
         result.numerics.locate = {**where, **found}
         if result.error:
             result.error = f"{result.error}; {found['summary']}"

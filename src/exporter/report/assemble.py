@@ -113,7 +113,7 @@ def assemble(*, recipe, checkpoint, loaded, plan, signature, reference, audit, r
                       "model": "original (eager attention, not rewritten)"},
         "tolerance": {"rule": RULE, "k": recipe.numerics.k,
                       "k_default": ", ".join(f"{k:g} for {dtype}" for dtype, k in K_DEFAULTS.items()),
-                      "atol": recipe.numerics.atol, "grid": recipe.numerics.grid,
+                      "atol": recipe.numerics.atol, "floor": recipe.numerics.floor, "grid": recipe.numerics.grid,
                       "grid_budget": recipe.numerics.grid_budget, "locate": recipe.numerics.locate},
         "attention": {**audit.to_dict(), "backend_choice": backend_choice},
         "baseline": {"name": "eager", "device": recipe.runtime.device, "dtype": recipe.runtime.dtype,
