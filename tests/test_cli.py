@@ -114,3 +114,19 @@ def test_custom_factory_with_inputs_declared_on_the_command_line(factory_checkpo
     bad = run_cli("convert", str(path), "--model", factory, "--input", "tokens:int99:batch", cwd=tmp_path,
                   env={"PYTHONPATH": module_dir})
     assert bad.returncode == 2 and "'int99' is not one of" in bad.stderr and "--dim/--input" in bad.stderr
+
+
+def test_report_md_is_drawn_on_a_terminal_and_left_as_markdown_when_piped(capsys):
+    import io
+
+    from rich.console import Console
+
+    from exporter.cli import show_markdown
+
+    text = "# exporter report\n\n| variant | median ms |\n| --- | --- |\n| onnx | 0.62 |\n"
+    screen = io.StringIO()
+    show_markdown(text, Console(file=screen, force_terminal=True, width=100))
+    drawn = screen.getvalue()
+    assert "| --- |" not in drawn and "onnx" in drawn and "─" in drawn  # a drawn table, not Markdown
+    show_markdown(text, Console(file=io.StringIO(), force_terminal=False))
+    assert capsys.readouterr().out.strip() == text.strip()  # piped: the Markdown itself, every column kept

@@ -106,13 +106,13 @@ def typed_command(ctx: click.Context) -> list[str]:
     return parts + options
 
 
-def show_markdown(text: str) -> None:
+def show_markdown(text: str, console=None) -> None:
     """report.md on a terminal: headings, tables and emphasis drawn by rich; piped or redirected, the Markdown
     itself (a CI log or a file keeps every column, and renders where Markdown does)."""
     from rich.console import Console
     from rich.markdown import Markdown
 
-    console = Console(highlight=False)
+    console = console or Console(highlight=False)
     if console.is_terminal:
         console.print(Markdown(text))
     else:

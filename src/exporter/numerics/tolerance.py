@@ -133,7 +133,7 @@ def check_output(name: str, sample: int, reference: torch.Tensor, baseline: torc
 
 def explain_bar(k: float, base: float, floor: float | None, atol: float) -> str:
     """How a bar was made, for a failure's reason (``floor`` None: added later, where the reference is read)."""
-    text = f"k={k:g} x baseline {base:.3g}" + (f" + floor {floor:.3g}" if floor is not None else "")
+    text = f"k={k:g} x baseline {base:.3g}" + (f" + floor {floor:.3g}" if floor else "")
     return text + (f" + atol {atol:g}" if atol else "")
 
 
