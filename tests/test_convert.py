@@ -102,7 +102,9 @@ def test_manifest_hashes_every_file_and_is_last(converted):
     assert set(listed) == on_disk
     for path, digest in listed.items():
         assert sha256(result.out / path) == digest
-    assert manifest["checkpoint"][0]["sha256"] == sha256(Path(manifest["checkpoint"][0]["path"]))
+    checkpoint = (result.out / result.report["model"]["checkpoint"]).resolve()  # relative to the output folder
+    entry = manifest["checkpoint"][0]
+    assert entry["sha256"] == sha256(checkpoint / entry["path"])
     assert manifest["versions"]["torch"] == torch.__version__
     assert manifest["recipe"]["name"] == "cpu-fp32"
     mtimes = {p.name: p.stat().st_mtime_ns for p in result.out.iterdir() if p.is_file()}

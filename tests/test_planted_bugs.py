@@ -346,13 +346,15 @@ def test_export_only_defect_is_found_in_the_program_not_in_eager(user_model, tmp
     assert found["replay"]["first_divergent"] is None and found["replay"]["modules_checked"] > 10
 
 
-def test_bfloat16_with_a_large_atol_still_names_the_attention(tiny_models, tmp_path):
-    """h100-bf16's atol (1e-3) is larger than the absolute error the defect makes at the attention's output
-    (~6e-4, on outputs of RMS ~0.03); only the norm after it amplifies the error past atol. Each module's floor
-    is atol scaled to that module's magnitude, so the attention is named, not the norm downstream (seen on
-    the H200 before the floor was scaled)."""
+def test_bfloat16_floor_in_each_modules_units_names_the_attention(tiny_models, tmp_path):
+    """The defect's absolute error at the attention's output (~6e-4, on outputs of RMS ~0.03) is under the
+    fixed atol of 1e-3 h100-bf16 once had; only the norm after it amplified the error past it, and the norm
+    was named (seen on the H200). The floor is now one bf16 rounding at each module's own RMS, so the attention
+    is named."""
     recipe = quick(["exported_program"], dtype="bfloat16")
-    recipe = dataclasses.replace(recipe, numerics=dataclasses.replace(recipe.numerics, atol=1e-3))
+    h100 = load_recipe("h100-bf16").numerics
+    recipe = dataclasses.replace(recipe, numerics=dataclasses.replace(recipe.numerics, atol=h100.atol,
+                                                                      floor=h100.floor))
     recipe = recipe.with_inputs(("batch=8:1:16", "sequence=64:16:128"))
     with planted_sdpa(wrong_scale_in_layer_1):
         result = exporter.convert(tiny_models["llama"], recipe, tmp_path / "llama-bf16")

@@ -163,3 +163,14 @@ def test_a_signal_during_publish_publishes_nothing(tiny_models, tmp_path, monkey
         api.convert(tiny_models["gpt2"], "cpu-fp32", out, targets=("exported_program",))
     assert caught.value.exit_code == 143
     _assert_nothing_left(tmp_path, out)
+
+
+def test_a_signal_discarded_in_a_finalizer_prints_no_traceback(capsys):
+    import sys
+
+    hook = sys.unraisablehook
+    with pytest.raises(Interrupted):
+        with interrupts.watch():
+            _RaisesInFinalizer(signal.SIGTERM)
+    assert "Traceback" not in capsys.readouterr().err
+    assert sys.unraisablehook is hook  # restored

@@ -19,7 +19,7 @@ from .errors import CheckpointError, ExporterError
 from .inputs import plan_inputs
 from .measure.memory import TreeMemory, peak_rss_bytes
 from .modelio import Signature, discover_outputs
-from .outdir import OutputFolder, disk_full, model_name, os_problem, public_command
+from .outdir import OutputFolder, disk_full, model_name, os_problem, path_from, public_command
 from .pipeline import ConvertRun
 from .prepare import original_module
 from .progress import Progress
@@ -99,6 +99,7 @@ def convert(checkpoint: str | Path, recipe: str | Path | Recipe = "cpu-fp32", ou
                 data = run.execute()
             data["memory"] = memory_section(recipe_obj, data["model"]["checkpoint_bytes"], tree)
             data["run"] = {"command": public_command(command) if command else None, "settings": list(settings)}
+            data["model"]["checkpoint"] = path_from(folder.final, checkpoint)  # from where the report will be
             report_mod.write_all(folder.staged, data, run.manifest_inputs())
         except ExporterError:
             raise

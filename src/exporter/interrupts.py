@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -56,6 +57,14 @@ def watch() -> Iterator[None]:
         return
     _received = None
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    unraisable = sys.unraisablehook
+
+    def quiet_stop(info) -> None:
+        """A Stop discarded in a ``__del__`` is recorded already: no "Exception ignored" traceback for it."""
+        if not isinstance(info.exc_value, Stop):
+            unraisable(info)
+
+    sys.unraisablehook = quiet_stop
     _depth += 1
     try:
         yield
@@ -66,6 +75,7 @@ def watch() -> Iterator[None]:
         raise Interrupted(signal.SIGINT) from None
     finally:
         _depth -= 1
+        sys.unraisablehook = unraisable
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 

@@ -245,6 +245,17 @@ def public_path(path: str | Path) -> str:
         return given.name or text
 
 
+def path_from(folder: Path, target: str | Path) -> str:
+    """``target`` as a path relative to ``folder`` (an output folder pointing at its checkpoint), so that it
+    still resolves when both move together; only the name when they share no folder but the root, where a
+    relative path would spell out the whole tree (a home folder, a user name)."""
+    folder, target = Path(folder).resolve(), Path(target).resolve()
+    common = Path(os.path.commonpath([folder, target]))
+    if common == Path(common.anchor):
+        return target.name
+    return os.path.relpath(target, folder)
+
+
 def public_command(argv: list[str]) -> list[str]:
     """The command line as typed, with every argument that is an absolute path or names an existing file or
     folder made public (:func:`public_path`)."""

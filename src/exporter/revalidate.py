@@ -47,6 +47,13 @@ def _check_checkpoint(manifest: dict[str, Any], checkpoint: Path) -> None:
                                   "manifest.json)", "validate with the checkpoint the run was made from")
 
 
+def recorded_checkpoint(out: Path, recorded: str) -> Path:
+    """The checkpoint a report names: relative to the output folder (as convert writes it), else to the
+    working folder (an older report, or a name only)."""
+    beside = out / recorded
+    return beside if beside.exists() else Path(recorded)
+
+
 def validate_folder(out_dir: str | Path, *, locate: bool = False, targets: tuple[str, ...] = (),
                     checkpoint: str | Path | None = None, allow_pickle: bool = False,
                     progress: Progress | None = None) -> dict[str, Any]:
@@ -62,7 +69,7 @@ def validate_folder(out_dir: str | Path, *, locate: bool = False, targets: tuple
     if unknown:
         raise UsageError(f"no variant named {', '.join(unknown)} in {out}", f"choose from {', '.join(sorted(known))}")
     check_machine(recipe)
-    source = Path(checkpoint or report["model"]["checkpoint"])
+    source = Path(checkpoint) if checkpoint else recorded_checkpoint(out, report["model"]["checkpoint"])
     _check_checkpoint(manifest, source)
     device, dtype = recipe.runtime.device, recipe.runtime.dtype
     with quiet_libraries(), tempfile.TemporaryDirectory(prefix="exporter-validate-") as logs:

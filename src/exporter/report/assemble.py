@@ -84,7 +84,7 @@ def assemble(*, recipe, checkpoint, loaded, plan, signature, reference, audit, r
         "warnings": list(warnings),
         "model": {
             "name": model_name(Path(checkpoint)),
-            "checkpoint": public_path(checkpoint),
+            "checkpoint": public_path(checkpoint),  # made relative to the output folder once it is known
             "format": loaded.checkpoint.format,
             "architecture": loaded.architecture.name,
             "architecture_source": loaded.architecture.source,
