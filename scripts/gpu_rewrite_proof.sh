@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # On the GPU machine: the hand-written-attention model converted with h100-bf16, with and without the rewrite.
 #   bash scripts/gpu_rewrite_proof.sh [SIZE=base] [TARGETS="-t exported_program -t aoti"]
+#   LAYOUT=flattened: the attention spelled with heads folded into the batch (bmm, views around the softmax)
+#   STATIC=1: batch and sequence fixed at 8 x 1024 (no dynamic dims), to set beside a dynamic run
 # $OUT gets report.md/report.json of both runs, comparison.md and the logs' tails. The --no-rewrite run uses
 # h100-bf16 with grid = false (the grid does not change the timings; both runs fit one 10-minute call).
 set -u
-SIZE=${1:-base}; TARGETS=${2:--t exported_program -t aoti}
+SIZE=${1:-base}; TARGETS=${2:--t exported_program -t aoti}; LAYOUT=${LAYOUT:-heads}
 export PYTHONPATH=src:scripts PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 echo "machine: $(uname -r); $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
-python3 scripts/handwritten_gpt.py /tmp/hw --size "$SIZE"
+python3 scripts/handwritten_gpt.py /tmp/hw --size "$SIZE" --layout "$LAYOUT"
+DIMS=(--dim batch=8:1:8 --dim sequence=1024:16:2048); [ "${STATIC:-0}" = 1 ] && DIMS=(--dim batch=8 --dim sequence=1024)
 ARGS=(--model handwritten_gpt:build --recipe h100-bf16
       --input input_ids:int64:batch,sequence:0:8192 --input attention_mask:int64:batch,sequence
-      --dim batch=8:1:8 --dim sequence=1024:16:2048 --overwrite)
+      "${DIMS[@]}" --overwrite)
 sed 's/^grid = true.*/grid = false/' recipes/h100-bf16.toml > /tmp/h100-bf16-nogrid.toml
 for run in rewrite no-rewrite; do
   extra=(); [ "$run" = no-rewrite ] && extra=(--no-rewrite --recipe /tmp/h100-bf16-nogrid.toml)

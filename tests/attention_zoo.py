@@ -293,6 +293,74 @@ class BaddbmmMask(Attention):
         return torch.bmm(probs, v3).view(b, h, s, d)
 
 
+class BmmViewPaddingMask(Attention):
+    """bmm on (b·h, s, d), .view(b, h, s, s) to add a (b, 1, 1, s) padding mask, softmax, .view(b·h, s, s) for
+    the bmm with v: the layout steps sit on both sides of the softmax."""
+
+    def attend(self, q, k, v, mask):
+        b, h, s, d = q.shape
+        q3, k3, v3 = (t.reshape(b * h, s, d) for t in (q, k, v))
+        scores = torch.bmm(q3, k3.transpose(1, 2)) / math.sqrt(d)
+        additive = ((1.0 - mask.to(q.dtype)) * torch.finfo(q.dtype).min)[:, None, None, :]
+        probs = (scores.view(b, h, s, s) + additive).softmax(dim=-1).view(b * h, s, s)
+        return torch.bmm(probs, v3).view(b, h, s, d)
+
+
+class BaddbmmViewCausal(Attention):
+    """GPT-NeoX/Bloom style: baddbmm(beta=0, alpha=scale) on (b·h, s, d), reshaped to (b, h, s, s) for a causal
+    masked_fill, softmax in float32, flattened back for the bmm with v."""
+
+    def attend(self, q, k, v, mask):
+        b, h, s, d = q.shape
+        q3, k3, v3 = (t.reshape(b * h, s, d) for t in (q, k, v))
+        empty = torch.zeros(b * h, s, s, dtype=q.dtype, device=q.device)
+        scores = torch.baddbmm(empty, q3, k3.transpose(1, 2), beta=0.0, alpha=d ** -0.5).reshape(b, h, s, s)
+        scores = scores.masked_fill(self.bias[:, :, :s, :s] == 0, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype).flatten(0, 1)
+        return torch.bmm(probs, v3).unflatten(0, (b, h))
+
+
+class FlattenedSoftmax(Attention):
+    """4-D scores flattened over batch·heads for the softmax, unflattened for the product with v."""
+
+    def attend(self, q, k, v, mask):
+        b, h, s, d = q.shape
+        scores = (q @ k.transpose(-2, -1) * d ** -0.5).masked_fill((mask == 0)[:, None, None, :], float("-inf"))
+        return scores.flatten(0, 1).softmax(-1).unflatten(0, (b, h)) @ v
+
+
+class SoftmaxOverPairs(Attention):
+    """A view that merges the query and key dims: softmax over all (query, key) pairs of a head."""
+
+    def attend(self, q, k, v, mask):
+        b, h, s, d = q.shape
+        scores = q @ k.transpose(-2, -1) / math.sqrt(d)
+        return scores.view(b, h, s * s).softmax(-1).view(b, h, s, s) @ v
+
+
+class FlattenedMaskedScores(Attention):
+    """A padding mask laid out over the flattened (b·h, 1, s) scores, then a view to (b, h, s, s) for the softmax."""
+
+    def attend(self, q, k, v, mask):
+        b, h, s, d = q.shape
+        q3, k3, v3 = (t.reshape(b * h, s, d) for t in (q, k, v))
+        keep = (mask != 0)[:, None, None, :].expand(b, h, 1, s).reshape(b * h, 1, s)
+        scores = torch.bmm(q3, k3.transpose(1, 2)).masked_fill(~keep, float("-inf")) / math.sqrt(d)
+        probs = scores.view(b, h, s, s).softmax(-1).view(b * h, s, s)
+        return torch.bmm(probs, v3).view(b, h, s, d)
+
+
+class HeadsIntoRows(Attention):
+    """A view that merges the heads into the query rows, (b·h, s, s) -> (b, h·s, s): the softmax rows are the same,
+    but the rule sees through batch and head regrouping only, so it is left alone, with the reason."""
+
+    def attend(self, q, k, v, mask):
+        b, h, s, d = q.shape
+        q3, k3, v3 = (t.reshape(b * h, s, d) for t in (q, k, v))
+        probs = (torch.bmm(q3, k3.transpose(1, 2)) / math.sqrt(d)).view(b, h * s, s).softmax(-1).view(b * h, s, s)
+        return torch.bmm(probs, v3).view(b, h, s, d)
+
+
 class CrossAttention(Attention):
     """Queries from every token, keys and values from the first half: query and key lengths differ."""
 
@@ -520,6 +588,14 @@ CASES = [
          "rewritten"),
     Case("bmm_reshape", HAND, "bmm on (b·h, s, d) with reshapes", stack(BmmReshape), "rewritten"),
     Case("baddbmm_mask", HAND, "baddbmm(additive mask, q·scale, kᵀ)", stack(BaddbmmMask), "rewritten", masked=True),
+    Case("bmm_view_padding", HAND, "bmm on (b·h, s, d), view to (b, h, s, s) for a padding mask, view back",
+         stack(BmmViewPaddingMask), "rewritten", masked=True),
+    Case("baddbmm_view_causal", HAND, "baddbmm(beta=0), reshape for a causal mask, flatten back",
+         stack(BaddbmmViewCausal), "rewritten", causal=True),
+    Case("flattened_softmax", HAND, "softmax on scores flattened over batch·heads, unflatten for v",
+         stack(FlattenedSoftmax), "rewritten", masked=True),
+    Case("flattened_mask_view", HAND, "bmm with a (b·h, 1, s) mask, view to (b, h, s, s) for the softmax",
+         stack(FlattenedMaskedScores), "rewritten", masked=True),
     Case("cross_attention", HAND, "cross-attention, key length ≠ query length", stack(CrossAttention), "rewritten"),
     Case("padding_square", HAND, "square mask from input data (must stay a mask)", stack(PaddingSquare),
          "rewritten", masked=True),
@@ -549,6 +625,10 @@ CASES = [
          reason="active"),
     Case("zero_fill", "unsafe", "masked_fill(m, 0.0)", stack(ZeroFill), "skipped", reason="not a mask"),
     Case("per_key_scale", "unsafe", "scores × per-key weights", stack(PerKeyScale), "skipped", reason="not by one"),
+    Case("softmax_over_pairs", "unsafe", "view(b, h, s·s): softmax over (query, key) pairs",
+         stack(SoftmaxOverPairs), "skipped", reason="changes the (query, key) dims"),
+    Case("heads_into_rows", "unsafe", "view(b, h·s, s): heads merged into the query rows",
+         stack(HeadsIntoRows), "skipped", reason="changes the (query, key) dims"),
     Case("soft_capping", "unsafe", "tanh soft-capping of the logits", stack(SoftCapping), "skipped",
          reason="no SDPA equivalent"),
     Case("not_attention", "unsafe", "softmax over classifier logits", NotAttention, "none", sites=0),

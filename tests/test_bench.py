@@ -40,3 +40,32 @@ def test_the_table_marks_an_unsupported_speedup():
     assert _speedup(bench).endswith("⚠") and _noise(bench).endswith("%")
     bench.update(speedup(timing(10.0, 0.02), timing(2.5, 0.02)))
     assert not _speedup(bench).endswith("⚠")
+
+
+def test_an_artifact_slower_than_its_source_is_a_finding_with_the_ops_that_take_the_time():
+    from exporter.measure.bench import slower_than_source
+    from exporter.report.markdown import _slower_lines
+    from exporter.results import VariantResult
+
+    def variant(name, median, top):
+        result = VariantResult(name if name == "rewritten" else "aoti", name, device="cuda", dtype="bfloat16")
+        result.bench = timing(median, 0.02, seed=len(name))
+        result.info["kernels"] = {"top": [{"name": n, "self_ms": 1.0, "share": s, "calls": 1} for n, s in top]}
+        return result
+
+    source = variant("rewritten", 11.6, [("cudnn_sdpa_fprop", 0.5), ("gemm", 0.4)])
+    slow = variant("aoti", 13.7, [("triton_softmax", 0.45), ("gemm", 0.35)])
+    fast = variant("exported_program", 9.0, [("gemm", 0.6)])
+    elsewhere = variant("onnx", 30.0, [])
+    elsewhere.device, elsewhere.dtype = "cpu", "float32"  # not comparable with the rewritten model
+    lines = slower_than_source([source, slow, fast, elsewhere])
+    (line,) = lines
+    assert line.startswith("aoti is slower than the rewritten eager model it was built from (0.8")
+    assert slow.bench["slower_than_rewritten"] and not fast.bench["slower_than_rewritten"]
+    assert "speedup_vs_rewritten" not in elsewhere.bench and not elsewhere.notes
+    (note,) = slow.notes
+    assert "ms against 11." in note and "triton_softmax 45%" in note and "cudnn_sdpa_fprop 50%" in note
+    report = {"artifacts": [{"name": v.name, "bench": v.bench} for v in (slow, fast)]}
+    assert "aoti (0.8" in _slower_lines(report)[0]
+    tie = variant("aoti", 11.7, [])
+    assert slower_than_source([source, tie]) == [] and not tie.notes  # within the noise: no finding

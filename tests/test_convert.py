@@ -254,6 +254,29 @@ def test_no_rewrite_leaves_attention_as_written(tmp_path, monkeypatch):
     assert "rewrite off" in (runs[False].out / "report.md").read_text()
 
 
+def test_attention_behind_views_is_rewritten_end_to_end(tmp_path, monkeypatch):
+    """The hand-written GPT with its heads folded into the batch (bmm, views around the softmax, causal and
+    padding masks in 4-D): every site rewritten, the program runs the fused kernel and no softmax, ONNX holds
+    the Attention op, and every artifact passes the gate over the shape grid."""
+    import subprocess
+
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    subprocess.run([sys.executable, str(scripts / "handwritten_gpt.py"), str(tmp_path / "gpt"), "--size", "tiny",
+                    "--layout", "flattened"], check=True, capture_output=True)
+    monkeypatch.syspath_prepend(str(scripts))
+    result = exporter.convert(tmp_path / "gpt", "cpu-fp32", tmp_path / "out", model="handwritten_gpt:build",
+                              targets=("exported_program", "onnx"), dims=("batch=2:1:4", "sequence=32:2:128"),
+                              tensors=("input_ids:int64:batch,sequence:0:256", "attention_mask:int64:batch,sequence"))
+    report = result.report
+    assert result.exit_code == 0, report["problems"]
+    assert (report["attention"]["found"], report["attention"]["rewritten"]) == (2, 2)
+    assert all("view" in s["pattern"] and s["causal"] and s["masked"] for s in report["attention"]["sites"])
+    program, onnx_artifact = report["artifacts"]
+    assert program["info"]["kernels"]["backends"] == {"flash": 2} and program["info"]["kernels"]["softmax_kernels"] == 0
+    assert onnx_artifact["graph"]["attention"] == 2 and onnx_artifact["graph"]["softmax"] == 0
+    assert all(a["numerics"]["grid"]["passed"] for a in report["artifacts"])
+
+
 def test_target_option_checks_names():
     from exporter.api import resolve_recipe
     from exporter.errors import RecipeError

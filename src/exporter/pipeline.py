@@ -22,7 +22,7 @@ from .checkpoint import LoadedModel, check_finite, load_model
 from .checkpoint.loader import listing
 from .errors import CheckpointError
 from .inputs import TORCH_DTYPES, plan_inputs
-from .measure.bench import benchmark
+from .measure.bench import benchmark, slower_than_source
 from .measure.kernels import audit_kernels
 from .modelio import Signature, discover_outputs
 from .numerics.reference import run_reference
@@ -172,6 +172,7 @@ class ConvertRun:
 
         with progress.stage("attention kernels"):
             eager_kernels, choice = audit_kernels(live, samples[0], results, recipe.runtime.attention_backend)
+        self.warn(*slower_than_source(results))
         validation.close()
 
         return report_mod.assemble(

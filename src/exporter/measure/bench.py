@@ -182,6 +182,42 @@ def summarize(times: list[float], batch: int, flops: int, peak_tflops: float) ->
     return entry
 
 
+def _top_ops(kernels: dict[str, Any] | None) -> str:
+    top = (kernels or {}).get("top") or []
+    return ", ".join(f"{t['name']} {t['share']:.0%}" for t in top[:3])
+
+
+def slower_than_source(results) -> list[str]:
+    """Compare every artifact with the rewritten eager model it was built from (same device and dtype):
+    ``bench.speedup_vs_rewritten`` on each, and where the artifact is clearly slower (its whole quartile range
+    of speedups below 1) a note with the top ops by time of both, and a line for the run's warnings."""
+    source = next((r for r in results if r.name == "rewritten"), None)
+    if source is None or not (source.bench or {}).get("median_ms"):
+        return []
+    lines = []
+    for result in results:
+        bench = result.bench or {}
+        if result is source or not bench.get("median_ms") or (result.device, result.dtype) != (source.device,
+                                                                                              source.dtype):
+            continue
+        versus = speedup(source.bench, bench)
+        value, (low, high) = versus["speedup_vs_eager"], versus["speedup_range"]
+        bench["speedup_vs_rewritten"] = value
+        bench["slower_than_rewritten"] = high < 1.0
+        if not bench["slower_than_rewritten"]:
+            continue
+        note = (f"slower than the rewritten eager model it was built from: {bench['median_ms']:.3g} ms against "
+                f"{source.bench['median_ms']:.3g} ms ({value:.2f}×, between {low:.2f}× and {high:.2f}×)")
+        mine, theirs = _top_ops(result.info.get("kernels")), _top_ops(source.info.get("kernels"))
+        if mine:
+            note += f"; its top ops by time: {mine}"
+        if theirs:
+            note += f"; the rewritten model's: {theirs}"
+        result.notes.append(note)
+        lines.append(f"{result.name} is slower than the rewritten eager model it was built from ({value:.2f}×)")
+    return lines
+
+
 def run_benchmark(live: dict[str, Any], sample, warmup: int, rounds: int, iterations: int,
                   describe_error: Callable[[BaseException], str],
                   max_seconds: float = 0.0) -> tuple[dict[str, list[float]], dict[str, str]]:

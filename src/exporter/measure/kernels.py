@@ -50,6 +50,7 @@ from ..targets.spec import failure_reason
 from .backend_choice import why_not
 
 BACKENDS = ("flash", "efficient", "cudnn", "math", "other")
+TOP = 5  # the ops (kernels on a GPU) that took the most time in the profiled call, kept for the report
 
 ATEN_SDPA = {
     "_scaled_dot_product_flash_attention_for_cpu": "flash",
@@ -157,7 +158,23 @@ def profile(call: Callable[[], Any], device: str = "cpu", warmup: int = 1) -> di
         kind = getattr(event, "device_type", None)
         on_device = kind is not None and kind != torch.autograd.DeviceType.CPU
         events.append((event.name, on_device))
-    return classify(events, device)
+    result = classify(events, device)
+    result["top"] = top_by_time(prof.key_averages(), cuda)
+    return result
+
+
+def top_by_time(averages, on_device: bool) -> list[dict[str, Any]]:
+    """The ``TOP`` entries of a profile by self time (device time on a GPU), with their share of the total."""
+    def self_us(event) -> float:
+        if on_device:
+            return float(getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0.0)) or 0.0)
+        return float(getattr(event, "self_cpu_time_total", 0.0) or 0.0)
+
+    timed = [(self_us(e), e) for e in averages if self_us(e) > 0]
+    total = sum(t for t, _ in timed) or 1.0
+    timed.sort(key=lambda item: item[0], reverse=True)
+    return [{"name": e.key, "self_ms": round(t / 1000, 4), "share": round(t / total, 3), "calls": e.count}
+            for t, e in timed[:TOP]]
 
 
 def _session_args(session, sample) -> list[torch.Tensor]:
@@ -200,6 +217,12 @@ def onnxruntime_profile(path: str, provider: str, inputs: list[torch.Tensor]) ->
             events = json.load(handle)
     runs = [e for e in events if e.get("cat") == "Node" and str(e.get("name", "")).endswith("_kernel_time")]
     per_op = collections.Counter(e.get("args", {}).get("op_name", "?") for e in runs)
+    time_us: collections.Counter = collections.Counter()
+    for event in runs:
+        time_us[event.get("args", {}).get("op_name", "?")] += float(event.get("dur", 0)) / 2  # two calls traced
+    total = sum(time_us.values()) or 1.0
+    top = [{"name": op, "self_ms": round(us / 1000, 4), "share": round(us / total, 3), "calls": per_op[op] // 2}
+           for op, us in time_us.most_common(TOP) if us > 0]
     calls = 2  # the warm-up is in the trace too
     attention = {op: n // calls for op, n in per_op.items()
                  if op in ("Attention", "MultiHeadAttention", "GroupQueryAttention", "PackedAttention")}
@@ -208,7 +231,7 @@ def onnxruntime_profile(path: str, provider: str, inputs: list[torch.Tensor]) ->
             "sdpa_calls": sum(attention.values()),
             "backends": {f"onnxruntime {op}": n for op, n in sorted(attention.items())},
             "softmax_kernels": per_op.get("Softmax", 0) // calls,
-            "evidence": {op: n // calls for op, n in sorted(per_op.items())}, "providers": providers,
+            "evidence": {op: n // calls for op, n in sorted(per_op.items())}, "providers": providers, "top": top,
             "note": "which implementation onnxruntime's Attention kernel chose is not in its profile"}
 
 

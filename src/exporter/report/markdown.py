@@ -58,7 +58,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         + ("" if r["recipe"].get("rewrite_attention", True) else " (rewrite off: attention runs as written)"),
         f"- Reference: original model in {r['reference']['dtype']} on {r['reference']['device']}; tolerance "
         f"`{r['tolerance']['rule']}`",
-    ] + _cost_lines(r) + [
+    ] + _slower_lines(r) + _cost_lines(r) + [
         "",
         "| variant | status | worst rel. L2 | median ms | p90 ms | p99 ms | noise | speedup | TFLOP/s | build s "
         "| size | attention kernels |",
@@ -93,6 +93,16 @@ def render_markdown(report: dict[str, Any]) -> str:
                          f"| {_b(s['grouped_query'])} | {s['head_dim'] or '—'} | {s['reason'] or ''} |")
     lines += ["", f"Exit code {r['exit_code']}. Full data: `report.json`; hashes: `manifest.json`.", ""]
     return "\n".join(lines)
+
+
+def _slower_lines(r: dict[str, Any]) -> list[str]:
+    """The finding no speedup over eager may hide: an artifact slower than the model it was built from."""
+    slower = [v for v in r["artifacts"] if (v.get("bench") or {}).get("slower_than_rewritten")]
+    if not slower:
+        return []
+    return ["- **Slower than the rewritten eager model they were built from**: "
+            + ", ".join(f"{v['name']} ({v['bench']['speedup_vs_rewritten']:.2f}×)" for v in slower)
+            + " (their notes name the ops that take the time)"]
 
 
 def _cost_lines(r: dict[str, Any]) -> list[str]:

@@ -9,6 +9,11 @@ Pattern (torch.export training IR, see graph_capture; a torch.fx graph rewrite):
     probs  = softmax(logits, dim=-1), then any of: casts, dropout that is off (eval, or p = 0)
     out    = matmul(probs, v) | bmm(probs, v) | einsum("…ls,…se->…le", probs, v)
 
+    On both sides of the softmax, layout steps are seen through: view, reshape, flatten and unflatten
+    that only split or merge the leading (batch, head) dims and keep the last two, (query, key), as they
+    are: bmm on (batch·heads, s, d) viewed as (batch, heads, s, s) for a padding mask, softmax, viewed
+    back for the product with v.
+
 Check: the softmax is over the last dim; the scores, logits and probs feed only the next
 step (attention weights returned or used elsewhere are left alone); every op between
 ``q·kᵀ`` and ``softmax`` is one SDPA can express; q, k and v share their batch dims (or k and
@@ -20,7 +25,11 @@ can change the result. Masks keep their exact meaning: additive terms are summed
 ones combined; a mask becomes ``is_causal=True`` only when it depends on sizes and constants
 alone and equals ``tril(ones(n, n))`` at several lengths. Grouped-query repeats of k and v
 (``repeat_interleave`` or ``expand``+``reshape``, the transformers ``repeat_kv``) become
-``enable_gqa=True`` on the un-repeated tensors. 3-D (``bmm``) inputs get a leading dim of 1.
+``enable_gqa=True`` on the un-repeated tensors. 3-D (``bmm``) inputs get a leading dim of 1. Where
+layout steps were seen through, SDPA runs in the layout with the most leading dims (batch, heads):
+q, k and v flattened over them are unflattened (the dims after the first must be static), and the
+output is flattened back to the layout the product with v had. A view that changes the last two dims
+(softmax over query·key pairs, say) is not layout: the site is skipped with that reason.
 """
 
 from __future__ import annotations
@@ -54,6 +63,8 @@ SOFTMAXES = {aten.softmax.int, aten._softmax.default}
 CASTS = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.type_as.default}
 IDENTITIES = {aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default}
 ASSERTS = {aten._assert_tensor_metadata.default}
+VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
+         aten.unflatten.int}
 
 
 class Skip(Exception):
@@ -68,6 +79,7 @@ class Operand:
     swap_last: bool = False
     perm: tuple[int, ...] | None = None
     dims: tuple = ()
+    unflatten: list[int] | None = None  # then split the first dim into these sizes (layout, see _layout)
 
 
 @dataclass
@@ -77,6 +89,8 @@ class Term:
     coef: float = 1.0
     coef_tensors: list[tuple[Any, fx.Node]] = field(default_factory=list)
     causal: bool = False
+    lead: tuple = ()  # the leading dims of the scores where the term was applied
+    unflatten: list[int] | None = None  # a mask laid out over flattened batch·heads: split its first dim
 
 
 @dataclass
@@ -98,6 +112,9 @@ class Found:
     gqa: bool = False
     grouped_query: bool = False
     kv_heads: int | None = None
+    lead: tuple = ()  # leading dims of the scores as the path goes (after each layout step)
+    layout_steps: int = 0
+    out_flatten: int | None = None  # flatten the output's first dims back into one: how many
 
 
 # --------------------------------------------------------------------------- pattern
@@ -137,6 +154,19 @@ def _path_to_scores(node: Any, facts: Program, depth: int = 0) -> list[fx.Node] 
     return None
 
 
+def _layout_step(node: fx.Node, prev: fx.Node, where: str) -> tuple:
+    """A view/reshape/flatten/unflatten that keeps the last two dims: its new leading dims. Else Skip."""
+    before, after = shape(prev), shape(node)
+    if before is None or after is None or len(before) < 2 or len(after) < 2 \
+            or text(before[-2:]) != text(after[-2:]):
+        raise Skip(f"{_name(node)} {where} changes the (query, key) dims "
+                   f"{list(before or [])[-2:]} -> {list(after or [])[-2:]}: only views that split or merge the "
+                   "batch and head dims are seen through")
+    if not 1 <= len(after) - 2 <= 2:
+        raise Skip(f"{_name(node)} {where} leaves {len(after) - 2} leading dims (SDPA takes batch and heads)")
+    return tuple(after[:-2])
+
+
 def _position(node: fx.Node, prev: fx.Node) -> int:
     places = [i for i, a in enumerate(node.args) if a is prev]
     if len(places) != 1 or prev in node.kwargs.values():
@@ -156,8 +186,17 @@ def _factor(other: Any, facts: Program) -> tuple[float | None, fx.Node | None]:
 def _logits(found: Found, facts: Program) -> None:
     """Read the ops between q·kᵀ and softmax as ``scores * scale + mask``."""
     prev = found.producer
+    found.lead = tuple(shape(prev)[:-2])
     for node in found.path:
         index = _position(node, prev)
+        if node.target in VIEWS:
+            if index != 0:
+                raise Skip(f"{_name(node)} takes the scores as its shape")
+            found.lead = _layout_step(node, prev, "between q·kᵀ and softmax")
+            found.layout_steps += 1
+            found.ops.append(_name(node))
+            prev = node
+            continue
         target, args = node.target, node.args
         other = args[1 - index] if index in (0, 1) and len(args) > 1 else None
         if target in (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar):
@@ -193,7 +232,7 @@ def _logits(found: Found, facts: Program) -> None:
             if isinstance(other, fx.Node):
                 if dtype(other) is torch.bool or not (dtype(other) and dtype(other).is_floating_point):
                     raise Skip(f"a {dtype(other)} tensor is added to the scores")
-                found.terms.append(Term("add", other, coef=float(alpha)))
+                found.terms.append(Term("add", other, coef=float(alpha), lead=found.lead))
                 found.ops.append("add mask")
             else:  # a constant shift: softmax is unchanged by it
                 found.ops.append("add constant")
@@ -203,7 +242,7 @@ def _logits(found: Found, facts: Program) -> None:
             fill = facts.scalar_constant(args[2])
             if fill is None or fill > NEGATIVE_ENOUGH:
                 raise Skip(f"masked_fill with {args[2] if fill is None else fill} is not a mask (needs -inf)")
-            found.terms.append(Term("drop", args[1]))
+            found.terms.append(Term("drop", args[1], lead=found.lead))
             found.ops.append("masked_fill" + ("" if fill == float("-inf") else f"({fill:.3g} as -inf)"))
         elif target in (aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf):
             if index == 0:
@@ -211,7 +250,7 @@ def _logits(found: Found, facts: Program) -> None:
             fill = facts.scalar_constant(args[3 - index])
             if fill is None or fill > NEGATIVE_ENOUGH:
                 raise Skip("where() with a value that is not -inf")
-            found.terms.append(Term("keep" if index == 1 else "drop", args[0]))
+            found.terms.append(Term("keep" if index == 1 else "drop", args[0], lead=found.lead))
             found.ops.append("where" + ("" if fill == float("-inf") else f"({fill:.3g} as -inf)"))
         elif target in CASTS or target in IDENTITIES:
             if target in CASTS and not (dtype(node) and dtype(node).is_floating_point):
@@ -273,7 +312,7 @@ def _scores(found: Found) -> None:
         beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
         found.scale *= alpha
         if beta != 0:
-            found.terms.append(Term("add", bias, coef=float(beta)))
+            found.terms.append(Term("add", bias, coef=float(beta), lead=tuple(shape(node)[:-2])))
     else:
         qa, kt = node.args[:2]
     found.q = Operand(qa, dims=shape(qa))
@@ -292,6 +331,11 @@ def _probs(found: Found, facts: Program) -> None:
         user = users[0]
         if user.target in CASTS or user.target in IDENTITIES:
             found.probs.append(user)
+        elif user.target in VIEWS and user.args[0] is node:
+            _layout_step(user, node, "between softmax and the product with v")
+            found.probs.append(user)
+            found.layout_steps += 1
+            found.ops.append(_name(user))
         elif user.target == aten.dropout.default:
             p, train = user.args[1], user.args[2]
             if train and p > 0:
@@ -326,7 +370,38 @@ def _probs(found: Found, facts: Program) -> None:
 # --------------------------------------------------------------------------- check
 
 
+def _layout(found: Found) -> None:
+    """Seen-through layout steps: SDPA runs in the layout with the most leading dims. q, k and v with one
+    leading dim (batch·heads) are unflattened to it, and the output flattened back after SDPA."""
+    leads = [tuple(o.dims[:-2]) for o in (found.q, found.k, found.v)] + [found.lead]
+    leads += [t.lead for t in found.terms]
+    target = max(leads, key=len)
+    if len(target) < 2:
+        return
+    rest = [static_int(d) for d in target[1:]]
+    if None in rest:
+        raise Skip(f"the heads dim {list(target)[1:]} is not a fixed size: cannot unflatten batch·heads")
+    for operand in (found.q, found.k, found.v):
+        lead = tuple(operand.dims[:-2])
+        if text(lead) == text(target):
+            continue
+        if len(lead) != 1 or operand.perm is not None:
+            raise Skip(f"an operand laid out {list(lead)} does not flatten the leading dims {list(target)}")
+        operand.unflatten = [-1, *rest]
+        operand.dims = (*target, *operand.dims[-2:])
+    for term in found.terms:
+        dims = shape(term.node) or ()
+        if len(term.lead) < len(target) and len(dims) > 2 and not all(static_int(d) == 1 for d in dims[:-2]):
+            if len(dims) != 3:
+                raise Skip(f"a mask laid out {list(dims)} on scores flattened over batch·heads")
+            term.unflatten = [-1, *rest]  # (batch·heads, q, k) -> (batch, heads, q, k)
+    if len(shape(found.out) or ()) - 2 < len(target):
+        found.out_flatten = len(target)
+
+
 def _check(found: Found, facts: Program, example: list[torch.Tensor]) -> None:
+    if found.layout_steps:
+        _layout(found)
     q, k, v = found.q.dims, found.k.dims, found.v.dims
     if not (len(q) == len(k) == len(v)) or not 2 <= len(q) <= 4:
         raise Skip(f"q, k, v of ranks {len(q)}, {len(k)}, {len(v)} (SDPA needs equal ranks of 2 to 4)")
@@ -337,7 +412,8 @@ def _check(found: Found, facts: Program, example: list[torch.Tensor]) -> None:
         if t.kind != "add" and dtype(t.node) is not torch.bool:
             raise Skip(f"a {dtype(t.node)} mask where a bool one is needed")
     # grouped-query: un-repeat k and v (enable_gqa) when both are repeats of fewer heads
-    if len(q) == 4 and not found.k.swap_last and found.k.perm is None and found.v.perm is None:
+    if len(q) == 4 and not found.k.swap_last and found.k.perm is None and found.v.perm is None \
+            and found.k.unflatten is None and found.v.unflatten is None:
         rk, rv = unrepeated_heads(found.k.node), unrepeated_heads(found.v.node)
         if rk and rv and rk[1] == rv[1] and rk[2] == rv[2]:
             found.grouped_query = True
@@ -359,7 +435,7 @@ def _check(found: Found, facts: Program, example: list[torch.Tensor]) -> None:
             found.kv_heads = static_int(k[1])
         else:
             raise Skip("q, k and v broadcast their batch dims against each other")
-    scores = shape(found.producer)
+    scores = shape(found.softmax)
     for t in found.terms:
         if t.kind != "add" or (t.coef > 0 and not t.coef_tensors):
             t.causal = facts.is_causal(t.node, t.kind, scores[-2], scores[-1], example)
@@ -384,6 +460,8 @@ def _build(graph: fx.Graph, operand: Operand, facts: Program) -> fx.Node:
         node = graph.call_function(aten.transpose.int, (node, -2, -1))
     if operand.perm is not None:
         node = graph.call_function(aten.permute.default, (node, list(operand.perm)))
+    if operand.unflatten is not None:
+        node = graph.call_function(aten.unflatten.int, (node, 0, list(operand.unflatten)))
     return node
 
 
@@ -393,8 +471,8 @@ def _mask(graph: fx.Graph, found: Found, q: fx.Node, k: fx.Node, facts: Program)
     if found.is_causal or not found.terms:
         return None
     mask = _combine(graph, found, q, facts)
-    rank = max(len(shape(t.node) or ()) for t in found.terms)
-    scores = shape(found.producer)
+    rank = max(len(shape(t.node) or ()) + (t.unflatten is not None) for t in found.terms)
+    scores = shape(found.softmax)
     if rank < 2 or not all(text((shape(t.node) or (1, 1))[-2:]) == text(scores[-2:]) for t in found.terms):
         for _ in range(2 - rank):
             mask = graph.call_function(aten.unsqueeze.default, (mask, 0))
@@ -408,18 +486,22 @@ def _mask(graph: fx.Graph, found: Found, q: fx.Node, k: fx.Node, facts: Program)
     return mask
 
 
+def _unflattened(graph: fx.Graph, term: Term, node: fx.Node) -> fx.Node:
+    return node if term.unflatten is None else graph.call_function(aten.unflatten.int, (node, 0, term.unflatten))
+
+
 def _combine(graph: fx.Graph, found: Found, q: fx.Node, facts: Program) -> fx.Node:
     keep = additive = None
     for t in found.terms:
         if t.kind == "add":
-            node = _constant(graph, t.node, facts)
+            node = _unflattened(graph, t, _constant(graph, t.node, facts))
             if t.coef != 1.0:
                 node = graph.call_function(aten.mul.Tensor, (node, t.coef))
             for op, tensor in t.coef_tensors:
                 node = graph.call_function(op, (node, tensor))
             additive = node if additive is None else graph.call_function(aten.add.Tensor, (additive, node))
         else:
-            node = _constant(graph, t.node, facts)
+            node = _unflattened(graph, t, _constant(graph, t.node, facts))
             node = node if t.kind == "keep" else graph.call_function(aten.logical_not.default, (node,))
             keep = node if keep is None else graph.call_function(aten.logical_and.default, (keep, node))
     if additive is not None:
@@ -452,6 +534,8 @@ def _replace(graph: fx.Graph, found: Found, facts: Program) -> fx.Node:
         out = graph.call_function(aten.transpose.int, (out, 1, 2))
         for _ in range(lift):
             out = graph.call_function(aten.squeeze.dim, (out, 0))
+        if found.out_flatten is not None:
+            out = graph.call_function(aten.flatten.using_ints, (out, 0, found.out_flatten - 1))
         if found.out_perm is not None:
             out = graph.call_function(aten.permute.default, (out, list(found.out_perm)))
     for key in ("nn_module_stack", "stack_trace", "val"):
