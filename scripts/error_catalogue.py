@@ -34,8 +34,8 @@ FOOTER = """
 
 | fault | exit | what happens | test |
 | --- | --- | --- | --- |
-| SIGTERM during `build aoti` or during validation | 143 | the run stops within seconds: child processes are killed, the staging folder is removed, no `manifest.json` exists anywhere; `error: interrupted by SIGTERM; no manifest was written, so the output is incomplete. Fix: run the command again.` | `tests/test_signals.py` |
-| SIGINT (Ctrl-C) during `torch.export` | 130 | the same, `interrupted by SIGINT` | `tests/test_signals.py` |
+| SIGTERM at any stage (load, inputs, reference, rewrite, export, each build, validation, the shape grid, the benchmark, the kernel audit) or during publish | 143 | the run stops within seconds: child processes (and what they started) are killed, the staging folder is removed, no `manifest.json` exists anywhere; `error: interrupted by SIGTERM; no manifest was written, so the output is incomplete. Fix: run the command again.` | `tests/test_signals.py` |
+| SIGINT (Ctrl-C) at any of those moments, even where Python discards the exception (inside a `__del__` or a weakref callback) | 130 | the same, `interrupted by SIGINT`: the signal is recorded and checked again at every stage boundary, wait for a child, benchmark round and before publishing | `tests/test_signals.py` |
 | a target's process crashes (a segfault while loading a compiled artifact, for instance) | 4 | that target is `failed` with the reason (`load: the child process crashed with SIGSEGV`) and its log in `logs/`; every other target is built, validated and timed | `tests/test_runners.py` (a real SIGSEGV in the child) |
 | a target cannot be built (`torch.cummax` has no ONNX translation) | 4 | `onnx` is `failed` (`build failed: ...`, traceback in `logs/onnx.log`); `exported_program` and `aoti` are built, validated and timed; the manifest is written | `tests/test_convert.py::test_one_failing_target_loses_none_of_the_others` |
 | the disk fills while an artifact or the report is written | 5 | the run stops at once (no other target can be written either) and removes its staging folder | `the disk fills up mid-write` above (a 64 KiB tmpfs) |
