@@ -217,12 +217,12 @@ def onnxruntime_profile(path: str, provider: str, inputs: list[torch.Tensor]) ->
             events = json.load(handle)
     runs = [e for e in events if e.get("cat") == "Node" and str(e.get("name", "")).endswith("_kernel_time")]
     per_op = collections.Counter(e.get("args", {}).get("op_name", "?") for e in runs)
-    time_us: collections.Counter = collections.Counter()
+    time_us: dict[str, float] = collections.defaultdict(float)
     for event in runs:
         time_us[event.get("args", {}).get("op_name", "?")] += float(event.get("dur", 0)) / 2  # two calls traced
     total = sum(time_us.values()) or 1.0
     top = [{"name": op, "self_ms": round(us / 1000, 4), "share": round(us / total, 3), "calls": per_op[op] // 2}
-           for op, us in time_us.most_common(TOP) if us > 0]
+           for op, us in sorted(time_us.items(), key=lambda item: item[1], reverse=True)[:TOP] if us > 0]
     calls = 2  # the warm-up is in the trace too
     attention = {op: n // calls for op, n in per_op.items()
                  if op in ("Attention", "MultiHeadAttention", "GroupQueryAttention", "PackedAttention")}

@@ -378,8 +378,9 @@ def _layout(found: Found) -> None:
     target = max(leads, key=len)
     if len(target) < 2:
         return
-    rest = [static_int(d) for d in target[1:]]
-    if None in rest:
+    sizes = [static_int(d) for d in target[1:]]
+    rest = [d for d in sizes if d is not None]
+    if len(rest) != len(sizes):
         raise Skip(f"the heads dim {list(target)[1:]} is not a fixed size: cannot unflatten batch·heads")
     for operand in (found.q, found.k, found.v):
         lead = tuple(operand.dims[:-2])
