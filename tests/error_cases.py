@@ -218,12 +218,6 @@ def _with_nan(a: Assets, tmp: Path) -> Path:
     return folder
 
 
-@case("checkpoint", "NaN weights (default: warning)")
-def _(tmp, a):
-    return Case("NaN weights (default: warning)", "checkpoint", convert(_with_nan(a, tmp), tmp), 0,
-                "", output_allowed=True)
-
-
 @case("checkpoint", "NaN weights with nonfinite_weights = \"error\"")
 def _(tmp, a):
     argv = convert(_with_nan(a, tmp), tmp)

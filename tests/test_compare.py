@@ -94,3 +94,23 @@ def test_the_streamed_safetensors_file_is_standard_and_read_slice_by_slice(tmp_p
     for piece in chunks(samples[1][0].float(), 4):
         accumulator.add(piece)
     assert accumulator.metrics()["rmse"] == pytest.approx(metrics(samples[1][0], samples[1][0].float())["rmse"])
+
+
+def test_a_reference_with_nan_fails_closed_whole_and_chunked():
+    """transformers' eager attention gives NaN in float64 on a left-padded row (finfo.min overflows) while
+    float32 is finite; a NaN reference made every bar infinite and let any candidate pass. Now it fails, and
+    says the reference is what cannot judge."""
+    reference = torch.linspace(-1, 1, 101, dtype=torch.float64)
+    reference[10:20] = float("nan")
+    good = torch.linspace(-1, 1, 101).float()
+    for check in (check_output("logits", 0, reference, good, good, 2.0, 0.0, 1e-7),
+                  accumulate(reference, good, 13).check("logits", 0, allowed=1.0)):
+        assert not check.passed and "reference holds 10 NaN/Inf" in check.reason
+    metrics_there = metrics(reference, good)
+    assert metrics_there["ref_nonfinite"] == 10 and math.isfinite(metrics_there["rmse"])  # the rest is compared
+
+
+def test_an_infinite_bar_fails():
+    reference = torch.linspace(-1, 1, 101, dtype=torch.float64)
+    check = accumulate(reference, reference.float(), 13).check("y", 0, allowed=math.inf, baseline_rmse=math.inf)
+    assert not check.passed and "no finite bar" in check.reason

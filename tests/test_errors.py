@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from error_cases import CASES, error_line, make_assets, run
+from error_cases import CASES, Case, error_line, make_assets, run
 
 
 @pytest.fixture(scope="module")
@@ -41,13 +41,19 @@ def test_catalogue_case(build, assets, tmp_path):
         assert (tmp_path / "out" / "manifest.json").is_file()
 
 
-def test_nan_weights_warning_is_recorded(assets, tmp_path):
+def test_nan_weights_are_a_warning_and_a_reference_they_reach_fails_every_candidate(assets, tmp_path):
+    """nonfinite_weights = "warn" (the default) goes on with a warning; this NaN reaches every output, so the
+    float64 reference holds NaN there and the gate fails closed (it once passed: every bar was infinite)."""
     import json
 
-    build = next(c[2] for c in CASES if c[1].startswith("NaN weights (default"))
-    case = build(tmp_path, assets)
-    result = run(case, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
+    from error_cases import _with_nan, convert
+
+    case_argv = convert(_with_nan(assets, tmp_path), tmp_path)
+    result = run(Case("NaN weights", "checkpoint", case_argv, 3, "", output_allowed=True), cwd=tmp_path)
+    assert result.returncode == 3, result.stderr
+    assert "Traceback" not in result.stderr and "warning:" in result.stderr
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert any("transformer.h.0.mlp.c_fc.weight" in w for w in report["warnings"])
-    assert "warning:" in result.stderr
+    for variant in [report["rewritten"], *report["artifacts"]]:
+        assert variant["status"] == "numerics_failed"
+        assert "the float64 reference holds" in variant["numerics"]["failures"][0]["reason"]

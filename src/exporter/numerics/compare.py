@@ -103,7 +103,8 @@ class Accumulator:
         zero = torch.zeros((), dtype=torch.float64, device=device)
         self.sq, self.r2, self.c2, self.dot = zero.clone(), zero.clone(), zero.clone(), zero.clone()
         self.max_abs, self.max_rel = zero.clone(), zero.clone()
-        self.nonfinite = torch.zeros((), dtype=torch.int64, device=device)
+        self.nonfinite = torch.zeros((), dtype=torch.int64, device=device)  # candidate NaN/Inf, reference finite
+        self.ref_nonfinite = torch.zeros((), dtype=torch.int64, device=device)
         self.equal = True
 
     def add(self, chunk: torch.Tensor) -> None:
@@ -118,6 +119,11 @@ class Accumulator:
             return
         r = ref.to(torch.float64)
         c = flat.to(ref.device, torch.float64)
+        judged = torch.isfinite(r)  # where the reference is NaN/Inf nothing can be judged: counted, not summed
+        self.ref_nonfinite += (~judged).sum()
+        self.nonfinite += (judged & ~torch.isfinite(c)).sum()
+        if not bool(judged.all()):
+            r, c = r[judged], c[judged]
         d = c - r
         self.sq += (d * d).sum()
         self.r2 += (r * r).sum()
@@ -127,7 +133,6 @@ class Accumulator:
             a = d.abs()
             self.max_abs = torch.maximum(self.max_abs, a.max())
             self.max_rel = torch.maximum(self.max_rel, (a / r.abs().clamp_min(1e-12)).max())
-        self.nonfinite += (torch.isfinite(r) & ~torch.isfinite(c)).sum()
 
     @property
     def complete(self) -> bool:
@@ -136,21 +141,24 @@ class Accumulator:
     def metrics(self) -> dict[str, float]:
         """What :func:`exporter.numerics.tolerance.metrics` gives on the whole tensors."""
         if self.size == 0:
-            return {"max_abs": 0.0, "max_rel": 0.0, "rel_l2": 0.0, "cosine": 1.0, "rmse": 0.0, "ref_rms": 0.0}
+            return {"max_abs": 0.0, "max_rel": 0.0, "rel_l2": 0.0, "cosine": 1.0, "rmse": 0.0, "ref_rms": 0.0,
+                    "ref_nonfinite": 0}
         sq, r2, c2, dot = (float(x) for x in (self.sq, self.r2, self.c2, self.dot))
         max_abs, max_rel = float(self.max_abs), float(self.max_rel)
         ref_norm, diff_norm = math.sqrt(r2) if r2 >= 0 else math.nan, math.sqrt(sq) if sq >= 0 else math.nan
         rel_l2 = diff_norm / ref_norm if ref_norm > 0 else diff_norm
         denom = ref_norm * (math.sqrt(c2) if c2 >= 0 else math.nan)
         cosine = dot / denom if denom > 0 else (1.0 if max_abs == 0 else 0.0)
-        rmse = math.sqrt(sq / self.size) if sq >= 0 else math.nan
+        rmse = math.sqrt(sq / max(self.size - int(self.ref_nonfinite), 1)) if sq >= 0 else math.nan
 
         def finite(x: float) -> float:
             return x if math.isfinite(x) else float("inf")
 
-        ref_rms = math.sqrt(r2 / self.size) if math.isfinite(r2) and r2 >= 0 else 0.0
+        judged = self.size - int(self.ref_nonfinite)
+        ref_rms = math.sqrt(r2 / judged) if judged and math.isfinite(r2) and r2 >= 0 else 0.0
         return {"max_abs": finite(max_abs), "max_rel": finite(max_rel), "rel_l2": finite(rel_l2),
-                "cosine": cosine if math.isfinite(cosine) else 0.0, "rmse": finite(rmse), "ref_rms": ref_rms}
+                "cosine": cosine if math.isfinite(cosine) else 0.0, "rmse": finite(rmse), "ref_rms": ref_rms,
+                "ref_nonfinite": int(self.ref_nonfinite)}
 
     def check(self, name: str, sample: int, allowed: float, baseline_rmse: float = 0.0,
               explain: str = "", relative: float = 0.0) -> OutputCheck:

@@ -104,8 +104,12 @@ def metrics(reference: torch.Tensor, candidate: torch.Tensor) -> dict[str, float
     """max abs, max rel, relative L2, cosine and RMSE of ``candidate`` against ``reference`` (in float64)."""
     ref = reference.detach().to("cpu", torch.float64).reshape(-1)
     cand = candidate.detach().to("cpu", torch.float64).reshape(-1)
+    judged = torch.isfinite(ref)  # where the reference is NaN/Inf nothing can be judged: counted, not summed
+    ref_nonfinite = int((~judged).sum())
+    ref, cand = ref[judged], cand[judged]
     if ref.numel() == 0:
-        return {"max_abs": 0.0, "max_rel": 0.0, "rel_l2": 0.0, "cosine": 1.0, "rmse": 0.0, "ref_rms": 0.0}
+        return {"max_abs": 0.0, "max_rel": 0.0, "rel_l2": 0.0, "cosine": 1.0, "rmse": 0.0, "ref_rms": 0.0,
+                "ref_nonfinite": ref_nonfinite}
     diff = (cand - ref).abs()
     max_abs = float(diff.max())
     max_rel = float((diff / ref.abs().clamp_min(1e-12)).max())
@@ -114,10 +118,10 @@ def metrics(reference: torch.Tensor, candidate: torch.Tensor) -> dict[str, float
     denom = float(ref.norm() * cand.norm())
     cosine = float(ref @ cand) / denom if denom > 0 else (1.0 if max_abs == 0 else 0.0)
     rmse = float(((cand - ref) ** 2).mean().sqrt())
-    finite_ref = ref[torch.isfinite(ref)]
-    ref_rms = float(finite_ref.square().mean().sqrt()) if finite_ref.numel() else 0.0
+    ref_rms = float(ref.square().mean().sqrt())
     return {"max_abs": _finite(max_abs), "max_rel": _finite(max_rel), "rel_l2": _finite(rel_l2),
-            "cosine": cosine if math.isfinite(cosine) else 0.0, "rmse": _finite(rmse), "ref_rms": ref_rms}
+            "cosine": cosine if math.isfinite(cosine) else 0.0, "rmse": _finite(rmse), "ref_rms": ref_rms,
+            "ref_nonfinite": ref_nonfinite}
 
 
 def check_output(name: str, sample: int, reference: torch.Tensor, baseline: torch.Tensor, candidate: torch.Tensor,
@@ -152,7 +156,7 @@ def check_against(name: str, sample: int, reference: torch.Tensor, candidate: to
     m = metrics(reference, candidate)
     ref_finite = torch.isfinite(reference.cpu())
     cand_finite = torch.isfinite(candidate.detach().cpu())
-    nonfinite = int((ref_finite & ~cand_finite).sum())
+    nonfinite = int((ref_finite & ~cand_finite).sum())  # NaN/Inf where the reference is finite
     return check_against_metrics(name, sample, m, nonfinite, allowed, baseline_rmse, explain)
 
 
@@ -160,10 +164,17 @@ def check_against_metrics(name: str, sample: int, m: dict[str, float], nonfinite
                           baseline_rmse: float = 0.0, explain: str = "") -> OutputCheck:
     """The verdict from a floating output's metrics (whole, or accumulated chunk by chunk) and its bar."""
     reason = ""
-    passed = m["rmse"] <= allowed
-    if nonfinite:
+    passed = m["rmse"] <= allowed and math.isfinite(allowed)
+    if m.get("ref_nonfinite"):
+        passed = False  # fail closed: a reference with NaN/Inf in it would let anything through
+        reason = (f"the float64 reference holds {m['ref_nonfinite']} NaN/Inf value(s) in this output (the original "
+                  "model gives them in float64): it cannot judge the candidate there")
+    elif nonfinite:
         passed = False
         reason = f"{nonfinite} NaN/Inf value(s) where the reference is finite"
+    elif not math.isfinite(allowed):
+        reason = (f"no finite bar: the eager model's own error against the reference is {baseline_rmse:.3g} "
+                  "(NaN/Inf in its output)")
     elif not passed:
         reason = f"rmse {m['rmse']:.3g} > allowed {allowed:.3g}" + (f" ({explain})" if explain else "")
     return OutputCheck(name, sample, m["max_abs"], m["max_rel"], m["rel_l2"], m["cosine"], m["rmse"], baseline_rmse,
