@@ -60,3 +60,20 @@ def test_not_writable(tmp_path):
             OutputFolder(parent / "out").open()
     finally:
         locked.chmod(0o700)
+
+
+def test_published_paths_name_no_folder_outside_and_no_user(tmp_path, monkeypatch):
+    import getpass
+
+    from exporter.outdir import path_from, public_command, public_path
+
+    out, checkpoint = tmp_path / "runs" / "out", tmp_path / "models" / "bert"
+    checkpoint.mkdir(parents=True)
+    assert path_from(out, checkpoint) == "../../models/bert"  # moves with the folder
+    assert path_from(tmp_path / "out", "/usr/share") == "share"  # nothing in common but the root
+    monkeypatch.setattr(getpass, "getuser", lambda: "models")  # a path through "the user's" folder
+    assert path_from(out, checkpoint) == "bert"
+    monkeypatch.chdir(tmp_path)
+    assert public_path(checkpoint) == "models/bert" and public_path("/usr/share") == "share"
+    assert public_command(["exporter", "convert", str(checkpoint), "--out=/srv/x"]) == \
+        ["exporter", "convert", "models/bert", "--out=x"]

@@ -251,9 +251,22 @@ def path_from(folder: Path, target: str | Path) -> str:
     relative path would spell out the whole tree (a home folder, a user name)."""
     folder, target = Path(folder).resolve(), Path(target).resolve()
     common = Path(os.path.commonpath([folder, target]))
-    if common == Path(common.anchor):
+    relative = os.path.relpath(target, folder)
+    if common == Path(common.anchor) or _names_someone(Path(relative).parts):
         return target.name
-    return os.path.relpath(target, folder)
+    return relative
+
+
+def _names_someone(parts: tuple[str, ...]) -> bool:
+    """Whether a path's parts name this user or this host (a path across home folders would)."""
+    import getpass  # noqa: PLC0415 - only where a path is made public
+    import platform  # noqa: PLC0415
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = ""
+    return any(part in (user, platform.node()) for part in parts if part)
 
 
 def public_command(argv: list[str]) -> list[str]:
