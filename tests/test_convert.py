@@ -100,6 +100,7 @@ def test_manifest_hashes_every_file_and_is_last(converted):
     listed = {f["path"]: f["sha256"] for f in manifest["files"]}
     on_disk = {str(p.relative_to(result.out)) for p in result.out.rglob("*") if p.is_file()} - {"manifest.json"}
     assert set(listed) == on_disk
+    assert not [p for p in on_disk if "spare" in p]  # children started ahead of need leave no file of their own
     for path, digest in listed.items():
         assert sha256(result.out / path) == digest
     checkpoint = (result.out / result.report["model"]["checkpoint"]).resolve()  # relative to the output folder

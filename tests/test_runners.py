@@ -1,4 +1,5 @@
-"""Child-process runners: a crash while loading or running fails one variant, with the signal named."""
+"""Child-process runners: a crash while loading or running fails one variant, with the signal named; children
+started ahead of need (spares) are taken in turn, replaced while more are expected, and stopped at the end."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from exporter.runners import RemoteRunner
+from exporter.runners import RemoteRunner, Spares
 from exporter.targets.spec import RunnerFailed, RunnerSpec
 
 LOADERS = textwrap.dedent('''
@@ -96,3 +97,68 @@ def test_the_parent_survives(loaders):
     with pytest.raises(RunnerFailed):
         RemoteRunner(spec("segfault_on_load"))
     assert sys.modules["exporter.runners"] is not None  # still here, still running
+
+
+def test_spares_wait_ahead_are_taken_and_replaced_while_more_are_expected(loaders, tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    spares = Spares(expected=2, log_path=lambda name: logs / f"{name}.log", keep=1)
+    runners = []
+    try:
+        assert len(spares.waiting) == 1
+        first = spares.waiting[0][0]
+        runners.append(RemoteRunner(spec("doubling"), log=logs / "first.log", spares=spares))
+        assert runners[0].process is first
+        # the spare's output file became the variant's: the open file followed the rename
+        assert runners[0].log == logs / "first.log" and (logs / "first.log").exists()
+        assert not (logs / "spare-1.log").exists()
+        assert torch.equal(runners[0].run([[torch.ones(3)]])[0][0], torch.full((3,), 2.0))
+        assert len(spares.waiting) == 1  # one more is expected: a new spare waits
+        second = spares.waiting[0][0]
+        runners.append(RemoteRunner(spec("doubling"), log=logs / "second.log", spares=spares))
+        assert runners[1].process is second and spares.waiting == []  # none expected after it
+        third = RemoteRunner(spec("doubling"), spares=spares)  # none waits: a child of its own
+        runners.append(third)
+        assert third.process not in (first, second)
+        assert torch.equal(third.run([[torch.ones(1)]])[0][0], torch.full((1,), 2.0))
+    finally:
+        for runner in runners:
+            runner.close()
+        spares.close()
+    assert all(r.process.poll() is not None for r in runners)
+
+
+def test_a_child_with_its_own_environment_or_a_dead_spare_is_not_taken(loaders, tmp_path):
+    spares = Spares(expected=3, log_path=lambda name: tmp_path / f"{name}.log", keep=1)
+    waiting = spares.waiting[0][0]
+    preloaded = RemoteRunner(RunnerSpec("doubling", "doubling", "cpu", "float32",
+                                        options=(("ld_preload", "libm.so.6"),)), spares=spares)
+    try:
+        assert preloaded.process is not waiting and spares.waiting[0][0] is waiting  # LD_PRELOAD: a fresh child
+        waiting.kill()
+        waiting.wait(5)
+        runner = RemoteRunner(spec("doubling"), spares=spares)  # the dead spare is passed over
+        assert runner.process is not waiting
+        assert torch.equal(runner.run([[torch.ones(2)]])[0][0], torch.full((2,), 2.0))
+        runner.close()
+    finally:
+        preloaded.close()
+        left = [p for p, _, _ in spares.waiting]
+        spares.close()
+    assert all(p.poll() is not None for p in left) and spares.waiting == []
+    assert not list(tmp_path.glob("spare-*.log"))  # a stopped spare's empty output file is not left behind
+
+
+def test_a_run_expects_one_spare_per_target_a_spare_can_serve(tmp_path):
+    import onnxruntime
+
+    from exporter.pipeline import ConvertRun
+    from exporter.recipe import load_recipe
+
+    def expected(name: str) -> int:
+        return ConvertRun(tmp_path, load_recipe(name), tmp_path, None, False, False, None).children_expected()
+
+    assert expected("cpu-fp32") == 2  # exported program and ONNX; AOTInductor's child may need its own LD_PRELOAD
+    cuda_onnx = "CUDAExecutionProvider" in onnxruntime.get_available_providers()
+    # h100-bf16: exported program and one compile mode, plus ONNX only where onnxruntime can run it on the GPU
+    assert expected("h100-bf16") == 2 + cuda_onnx

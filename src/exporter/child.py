@@ -9,6 +9,7 @@ in-process runner.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import pickle
@@ -113,10 +114,22 @@ def stream_outputs(conn: Channel, session: Session, sample: list[torch.Tensor], 
     conn.send(("end", None))
 
 
+WARM_ENV = "EXPORTER_CHILD_WARM"  # set on a spare child (runners.Spares): the device to start before waiting
+
+
 def child_main(fd: int) -> None:
-    """Entry point of ``python -m exporter.child FD``: receive sys.path and the spec, then serve."""
+    """Entry point of ``python -m exporter.child FD``: receive sys.path and the spec, then serve.
+
+    A spare child (``EXPORTER_CHILD_WARM=cuda...``) starts CUDA while it waits for its spec."""
     conn = Channel(fd)
-    path, spec = conn.recv()
+    warm = os.environ.pop(WARM_ENV, "")
+    if warm.startswith("cuda") and torch.cuda.is_available():
+        with contextlib.suppress(Exception):  # a failure to start CUDA is the loader's to report
+            torch.cuda.init()
+    try:
+        path, spec = conn.recv()
+    except EOFError:  # the parent went away before it needed this child
+        return
     sys.path[:] = path
     serve(conn, spec)
 
@@ -159,9 +172,11 @@ def serve(conn: Channel, spec: RunnerSpec) -> None:
             elif command == "stream":  # one sample, its outputs sent in chunks: nothing large is pickled
                 stream_outputs(conn, session, args[0], args[1])
                 continue
-            elif command == "quit":
+            elif command == "quit":  # end at once: tearing down torch's interpreter state takes seconds
+                for stream in (sys.stdout, sys.stderr):
+                    stream.flush()
                 conn.send(("ok", None))
-                return
+                os._exit(0)
             else:
                 raise ValueError(f"unknown command {command!r}")
             conn.send(("ok", reply))

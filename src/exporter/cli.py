@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
 import sys
@@ -246,7 +248,33 @@ def validate(out_dir, locate, targets, checkpoint, allow_pickle, quiet, as_json)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: run the CLI; turn ExporterError into one line and its exit code."""
+    """Entry point: run the CLI; turn ExporterError into one line and its exit code.
+
+    Run as the process's own command (``argv`` None: the ``exporter`` script, ``python -m exporter``), the
+    process ends as soon as the command has, its exit handlers run and its output flushed: tearing down
+    the interpreter's torch, transformers and compiled graphs afterwards cost seconds and did nothing the
+    operating system does not do. Called with ``argv`` (tests, other programs), it raises SystemExit."""
+    try:
+        _run(argv)
+    except SystemExit as exc:
+        if argv is not None:
+            raise
+        code = exc.code
+    else:
+        if argv is not None:
+            return
+        code = 0
+    status = code if isinstance(code, int) else 0 if code is None else 1
+    if not isinstance(code, int) and code is not None:
+        print(code, file=sys.stderr)
+    atexit._run_exitfuncs()  # noqa: SLF001 - what interpreter shutdown would run first
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
+
+
+def _run(argv: list[str] | None) -> None:
     debug = os.environ.get("EXPORTER_DEBUG") == "1"
     if not debug:
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's start/stop lines (read when torch loads)

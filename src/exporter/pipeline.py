@@ -33,7 +33,8 @@ from .progress import Progress
 from .recipe import Recipe, public_source
 from .results import OK, VariantResult
 from .rewrite import rewrite_attention
-from .runners import RemoteRunner
+from .runners import RemoteRunner, Spares
+from .targets import TARGETS
 from .targets.build import build_targets
 from .targets.spec import BuildContext, ModelSource, RunnerSpec
 
@@ -58,10 +59,24 @@ class ConvertRun:
         self.warnings: list[str] = []
         self.loaded: LoadedModel | None = None
         self.validation: Validation | None = None
+        self.spares: Spares | None = None
 
     def close(self) -> None:
         if self.validation is not None:
             self.validation.close()
+        if self.spares is not None:
+            self.spares.close()
+
+    def children_expected(self) -> int:
+        """How many built targets will be loaded in a child that a spare can be: every available target the
+        recipe builds (one per compile mode), but AOTInductor, whose child may need its own LD_PRELOAD."""
+        targets = self.recipe.targets
+        wanted = [t for t in TARGETS if t.name in targets.build and t.name != "aoti" and t.unavailable() is None]
+        if any(t.name == "onnx" for t in wanted):
+            from .targets.onnx import refused_here  # noqa: PLC0415 - onnxruntime only where ONNX is built
+            if refused_here(self.recipe):
+                wanted = [t for t in wanted if t.name != "onnx"]
+        return sum(len(targets.compile_modes) if t.name == "compile" else 1 for t in wanted)
 
     def manifest_inputs(self) -> dict[str, Any]:
         return {"checkpoint_files": list(self.loaded.checkpoint.files) if self.loaded else [],
@@ -86,6 +101,8 @@ class ConvertRun:
         recipe, progress = self.recipe, self.progress
         device, dtype = recipe.runtime.device, recipe.runtime.dtype
         t_start = time.perf_counter()
+        # children import torch (and start CUDA) while this process loads and exports
+        self.spares = Spares(self.children_expected(), self.log_path, device)
 
         with progress.stage("load", str(self.checkpoint)):
             self.loaded = loaded = load_model(self.checkpoint, recipe.model.factory, self.allow_pickle)
@@ -125,7 +142,8 @@ class ConvertRun:
         source = ModelSource(str(self.checkpoint.resolve()), recipe.model.factory, self.allow_pickle,
                              signature.inputs, signature.outputs, str(inputs_path), recipe.runtime.rewrite_attention)
         ctx = BuildContext(rewritten, plan, recipe, self.staging, source, example)
-        self.validation = validation = Validation(recipe, signature, reference, samples, original, self.log_path)
+        self.validation = validation = Validation(recipe, signature, reference, samples, original, self.log_path,
+                                                   self.spares)
         loading: dict[str, RemoteRunner] = {}
 
         def start_loading(result: VariantResult, spec: RunnerSpec | None) -> None:
@@ -174,6 +192,7 @@ class ConvertRun:
             eager_kernels, choice = audit_kernels(live, samples[0], results, recipe.runtime.attention_backend)
         self.warn(*slower_than_source(results))
         validation.close()
+        self.spares.close()
 
         return report_mod.assemble(
             recipe=recipe, checkpoint=self.checkpoint, loaded=loaded, plan=plan, signature=signature,

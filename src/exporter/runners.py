@@ -17,12 +17,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from . import interrupts
-from .child import Channel, Session
+from .child import WARM_ENV, Channel, Session
 from .errors import shorten
 from .measure.memory import peak_memory
 from .numerics.compare import CHUNK_ELEMENTS, chunks
@@ -91,6 +91,103 @@ def _describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+def child_env(preload: str | None = None) -> dict[str, str]:
+    """The environment of a child: the parent's, its ``sys.path``, passive OpenMP threads, and ``preload``."""
+    env = dict(os.environ)
+    # Idle OpenMP threads in a child must not spin while another variant is being timed.
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    if preload:
+        env["LD_PRELOAD"] = os.pathsep.join(p for p in (preload, env.get("LD_PRELOAD")) if p)
+    return env
+
+
+def start_child(env: dict[str, str], log: Path | None) -> tuple[subprocess.Popen, Channel]:
+    """``python -m exporter.child FD`` in its own session, its output appended to ``log``; it imports torch and
+    waits for ``sys.path`` and a spec on the returned channel."""
+    parent_sock, child_sock = socket.socketpair()
+    out: Any = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - closed below, once the child has it
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "exporter.child", str(child_sock.fileno())],
+            pass_fds=(child_sock.fileno(),), env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+            start_new_session=True)
+    finally:
+        child_sock.close()
+        if log:
+            out.close()
+    return process, Channel(parent_sock.detach())
+
+
+def kill_child(process: subprocess.Popen) -> None:
+    """Stop a child and whatever it started (compile workers share its session)."""
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.kill()
+        process.wait(5)
+
+
+class Spares:
+    """Child interpreters started before they are needed.
+
+    Starting a child costs seconds of importing torch (and, for a GPU recipe, starting CUDA), which the parent
+    used to wait for after each target was built. A spare does that while the parent loads the checkpoint,
+    exports and builds; a built target's :class:`RemoteRunner` takes one and only has to load the artifact.
+    At most ``keep`` wait at a time (by default one fewer than the CPUs, so that on a small machine their
+    imports do not slow the parent), and one taken is replaced while ``expected`` says more will be needed.
+    A child that needs its own environment (``LD_PRELOAD``) cannot be a spare: a process's environment is
+    fixed once it runs. Spares still waiting at :meth:`close` are stopped.
+    """
+
+    def __init__(self, expected: int, log_path: Callable[[str], Path] | None = None, device: str = "cpu",
+                 keep: int | None = None):
+        self.expected = expected
+        self.keep = keep if keep is not None else max(1, (os.cpu_count() or 2) - 1)
+        self.log_path = log_path
+        self.env = child_env()
+        if device.startswith("cuda"):
+            self.env[WARM_ENV] = device
+        self.waiting: list[tuple[subprocess.Popen, Channel, Path | None]] = []
+        self.started = 0
+        self._fill()
+
+    def _fill(self) -> None:
+        while len(self.waiting) < min(self.keep, self.expected):
+            self.started += 1
+            log = self.log_path(f"spare-{self.started}") if self.log_path else None
+            process, conn = start_child(self.env, log)
+            self.waiting.append((process, conn, log))
+
+    def take(self, log: Path | None) -> tuple[subprocess.Popen, Channel, Path | None] | None:
+        """A waiting child, its output file renamed to ``log`` (the open file follows), or None if none waits."""
+        while self.waiting:
+            process, conn, own_log = self.waiting.pop(0)
+            if process.poll() is not None:  # it died while waiting (its log, if any, says why): pass it over
+                self._discard(process, conn, own_log)
+                continue
+            self.expected = max(0, self.expected - 1)
+            if own_log is not None and log is not None and not log.exists():
+                os.replace(own_log, log)
+                own_log = log
+            self._fill()
+            return process, conn, own_log
+        return None
+
+    @staticmethod
+    def _discard(process: subprocess.Popen, conn: Channel, log: Path | None) -> None:
+        kill_child(process)
+        conn.close()
+        if log is not None and log.exists() and not log.stat().st_size:
+            log.unlink()
+
+    def close(self) -> None:
+        self.expected = 0
+        for waiting in self.waiting:
+            self._discard(*waiting)
+        self.waiting.clear()
+
+
 class RemoteRunner:
     """A variant loaded in its own process (``python -m exporter.child``), spoken to over a socket pair.
 
@@ -100,34 +197,22 @@ class RemoteRunner:
     """
 
     def __init__(self, spec: RunnerSpec, log: Path | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 wait: bool = True):
-        """Start the child and send it the spec; with ``wait`` (the default) block until it has loaded the
-        variant, else the caller goes on while it loads and calls :meth:`ready` when it needs it."""
+                 wait: bool = True, spares: Spares | None = None):
+        """Start the child (or take one of ``spares``) and send it the spec; with ``wait`` (the default) block
+        until it has loaded the variant, else the caller goes on while it loads and calls :meth:`ready` when it
+        needs it."""
         self.name = spec.name
         self.spec = spec
         self.timeout_s = timeout_s
         self.info: dict[str, Any] = {}
-        self.log = log
-        parent_sock, child_sock = socket.socketpair()
-        env = dict(os.environ)
-        # Idle OpenMP threads in a child must not spin while another variant is being timed.
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         preload = spec.option("ld_preload")
-        if preload:
-            env["LD_PRELOAD"] = os.pathsep.join(p for p in (preload, env.get("LD_PRELOAD")) if p)
-        out: Any = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - closed below, once the child has it
+        taken = spares.take(log) if spares is not None and not preload else None
         t0 = time.perf_counter()
-        try:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "exporter.child", str(child_sock.fileno())],
-                pass_fds=(child_sock.fileno(),), env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                start_new_session=True)
-        finally:
-            child_sock.close()
-            if log:
-                out.close()
-        self.conn = Channel(parent_sock.detach())
+        if taken is None:
+            self.process, self.conn = start_child(child_env(preload), log)
+            self.log = log
+        else:
+            self.process, self.conn, self.log = taken
         self.started = t0
         self.load_s: float | None = None
         self.conn.send((list(sys.path), spec))
@@ -221,11 +306,7 @@ class RemoteRunner:
 
     def kill(self) -> None:
         """Stop the child and whatever it started (compile workers share its session)."""
-        if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.kill()
-            self.process.wait(5)
+        kill_child(self.process)
 
     def close(self) -> None:
         """Ask the child to quit and wait for it; after SIGINT or SIGTERM, stop it at once."""
@@ -239,4 +320,4 @@ class RemoteRunner:
         self.conn.close()
 
 
-__all__ = ["RunnerFailed", "LocalRunner", "RemoteRunner", "failure_reason", "DEFAULT_TIMEOUT_S"]
+__all__ = ["RunnerFailed", "LocalRunner", "RemoteRunner", "Spares", "failure_reason", "DEFAULT_TIMEOUT_S"]

@@ -22,7 +22,7 @@ from ..modelio import IOModule, Signature
 from ..recipe import Recipe
 from ..results import FAILED, NUMERICS_FAILED, OK, VariantResult
 from ..rewrite.graph_capture import TracedModule
-from ..runners import LocalRunner, RemoteRunner, RunnerFailed
+from ..runners import LocalRunner, RemoteRunner, RunnerFailed, Spares
 from ..targets.spec import Loaded, RunnerSpec
 from .compare import InMemory, read_stream, rmse_of
 from .grid import GridPlan, artifact_signature, describe_signature, plan_grid, point_sample
@@ -64,8 +64,9 @@ class Validation:
     """
 
     def __init__(self, recipe: Recipe, signature: Signature, reference: Reference, samples: list[list[torch.Tensor]],
-                 original: IOModule, log_path: Callable[[str], Path]):
+                 original: IOModule, log_path: Callable[[str], Path], spares: Spares | None = None):
         self.recipe = recipe
+        self.spares = spares  # children started ahead of need (runners.Spares), taken by start()
         self.signature = signature
         self.reference = reference
         self.samples = samples
@@ -330,7 +331,7 @@ class Validation:
         """Start loading ``spec`` in its own process and return at once; None (and ``result`` failed) when the
         process cannot even start."""
         try:
-            runner = RemoteRunner(spec, log=self.log_path(result.name), wait=False)
+            runner = RemoteRunner(spec, log=self.log_path(result.name), wait=False, spares=self.spares)
         except RunnerFailed as exc:
             result.fail(FAILED, exc.reason)
             self._detail(result.name, exc.detail)

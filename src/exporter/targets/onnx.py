@@ -83,6 +83,17 @@ class Placement:
     notes: list[str]
 
 
+def refused_here(recipe) -> bool:
+    """Whether :func:`placement` refuses the recipe's ONNX target on this machine whatever the model's size
+    (a GPU recipe, no CUDA provider, ``onnx_dtype = "auto"``): no process will load it."""
+    device = recipe.runtime.device
+    try:
+        placement(device, recipe.runtime.dtype, choose_provider(device), recipe.targets.onnx_dtype, 0)
+    except TargetSkipped:
+        return True
+    return False
+
+
 def placement(device: str, dtype: str, provider: str, choice: str, float_values: int) -> Placement:
     """The ONNX model's device and dtype for a recipe at ``device``/``dtype``, given onnxruntime's ``provider``
     and the recipe's ``onnx_dtype`` (``choice``); raises TargetSkipped when it cannot be built and checked here.
