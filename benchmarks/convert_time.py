@@ -259,6 +259,11 @@ def write_doc(results: list[dict[str, Any]], path: Path) -> None:
             if biggest:
                 lines += ["", "Largest processes (peak PSS): " + ", ".join(
                     f"{p['command']} {p['peak_pss_bytes'] / GIB:.2f} GiB" for p in biggest[:5])]
+            stages = tree.get("stages") or []
+            if stages:
+                lines += ["", "Peak memory by stage, GiB (process tree PSS / convert process RSS): " + ", ".join(
+                    f"{e['stage']} {e['tree_peak_pss_bytes'] / GIB:.1f} / {e['root_peak_rss_bytes'] / GIB:.1f}"
+                    for e in stages)]
         else:
             lines += ["", f"Memory (sampled from outside): process tree peak "
                           f"{r.get('sampled_tree_peak_pss_bytes', 0) / GIB:.1f} GiB PSS, "

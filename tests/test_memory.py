@@ -83,3 +83,26 @@ def test_convert_peak_rss_of_a_1gb_checkpoint(tmp_path, capsys):
     with capsys.disabled():
         print(f"process tree peak {tree['tree_peak_pss_bytes'] / 2**30:.2f} GiB PSS, "
               f"{tree['tree_peak_rss_bytes'] / 2**30:.2f} GiB RSS")
+
+
+def test_each_memory_sample_counts_toward_the_stage_under_way():
+    import time
+
+    from exporter.measure.memory import TreeMemory
+    from exporter.progress import Progress
+
+    progress = Progress(enabled=False)
+    with TreeMemory(interval_s=0.02, stage=lambda: progress.current) as tree:
+        with progress.stage("small"):
+            time.sleep(0.2)
+        with progress.stage("big"):
+            block = bytearray(300 * 2**20)
+            for i in range(0, len(block), 4096):  # touch every page: resident, not just reserved
+                block[i] = 1
+            time.sleep(0.3)
+        del block
+    stages = {e["stage"]: e for e in tree.to_dict()["stages"]}
+    assert list(stages)[:2] == ["small", "big"] or list(stages)[1:3] == ["small", "big"]  # in the order they came
+    assert stages["big"]["root_peak_rss_bytes"] > stages["small"]["root_peak_rss_bytes"] + 250 * 2**20
+    # every sample belongs to one stage (or to "between stages"): the tree's peak is one stage's peak
+    assert max(e["tree_peak_pss_bytes"] for e in stages.values()) == tree.peak_pss

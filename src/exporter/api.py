@@ -95,7 +95,7 @@ def convert(checkpoint: str | Path, recipe: str | Path | Recipe = "cpu-fp32", ou
     with interrupts.watch(), quiet_libraries(), OutputFolder(final, overwrite=overwrite) as folder:
         run = ConvertRun(checkpoint, recipe_obj, folder.staged, inputs, allow_drift, allow_pickle, progress)
         try:
-            with TreeMemory() as tree:
+            with TreeMemory(stage=lambda: progress.current) as tree:
                 data = run.execute()
             data["memory"] = memory_section(recipe_obj, data["model"]["checkpoint_bytes"], tree)
             data["run"] = {"command": public_command(command) if command else None, "settings": list(settings)}

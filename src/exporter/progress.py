@@ -15,6 +15,7 @@ class Progress:
         self.enabled = enabled
         self.console = console or Console(stderr=True, highlight=False)
         self.timings: dict[str, float] = {}
+        self.current: str | None = None  # the stage under way (read by the memory sampler's thread)
 
     def info(self, message: str) -> None:
         if self.enabled:
@@ -34,6 +35,7 @@ class Progress:
                   else contextlib.nullcontext())
         if self.enabled and not self.console.is_terminal:
             self.console.print(f"{label} ...")
+        outer, self.current = self.current, name
         try:
             with status:
                 yield
@@ -43,6 +45,8 @@ class Progress:
             if self.enabled:
                 self.console.print(f"[red]✗[/] {label} failed after {time.perf_counter() - t0:.1f} s")
             raise
+        finally:
+            self.current = outer
         elapsed = time.perf_counter() - t0
         self.timings[name] = self.timings.get(name, 0.0) + elapsed
         if self.enabled:

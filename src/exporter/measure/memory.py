@@ -6,7 +6,7 @@ import contextlib
 import resource
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import psutil
 import torch
@@ -48,11 +48,16 @@ class TreeMemory:
     checkpoint's pages are not counted once per process). The peak of the sum is the tree's figure, a
     measurement rather than an estimate; between two samples a short spike can be missed, so the interval
     is short. On a GPU the device memory in use (all processes: free vs. total) is sampled too.
+    With ``stage`` (a function naming the stage under way, e.g. ``Progress.current``), each sample also
+    counts toward that stage's peaks, so a report can say which stage holds the memory.
     """
 
-    def __init__(self, interval_s: float = 0.2, pid: int | None = None):
+    def __init__(self, interval_s: float = 0.2, pid: int | None = None,
+                 stage: Callable[[], str | None] | None = None):
         self.interval_s = interval_s
         self.pid = pid  # the tree's root (None: this process)
+        self.stage = stage
+        self.stages: dict[str, dict[str, Any]] = {}  # stage -> its peaks, in the order the stages came
         self.peak_pss = 0
         self.peak_rss = 0
         self.peak_gpu_used = 0
@@ -82,7 +87,7 @@ class TreeMemory:
             tree = [root] + root.children(recursive=True)
         except psutil.Error:
             return
-        pss_total = rss_total = 0
+        pss_total = rss_total = root_rss = 0
         for proc in tree:
             try:
                 full = proc.memory_full_info()
@@ -97,6 +102,12 @@ class TreeMemory:
                 continue
             pss_total += pss
             rss_total += rss
+            root_rss = rss if proc.pid == root.pid else root_rss
+        if self.stage is not None:
+            name = self.stage() or "between stages"
+            entry = self.stages.setdefault(name, {"stage": name, "tree_peak_pss_bytes": 0, "root_peak_rss_bytes": 0})
+            entry["tree_peak_pss_bytes"] = max(entry["tree_peak_pss_bytes"], pss_total)
+            entry["root_peak_rss_bytes"] = max(entry["root_peak_rss_bytes"], root_rss)
         self.peak_pss = max(self.peak_pss, pss_total)
         self.peak_rss = max(self.peak_rss, rss_total)
         self.samples += 1
@@ -109,7 +120,8 @@ class TreeMemory:
         biggest = sorted(self.processes.values(), key=lambda e: e["peak_pss_bytes"], reverse=True)[:top]
         return {"tree_peak_pss_bytes": self.peak_pss, "tree_peak_rss_bytes": self.peak_rss,
                 "gpu_peak_used_bytes": self.peak_gpu_used or None, "sampling_interval_s": self.interval_s,
-                "samples": self.samples, "processes_seen": len(self.processes), "largest_processes": biggest}
+                "samples": self.samples, "processes_seen": len(self.processes), "largest_processes": biggest,
+                "stages": list(self.stages.values())}
 
 
 def _command(proc: psutil.Process) -> str:

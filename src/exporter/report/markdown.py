@@ -123,6 +123,12 @@ def _cost_lines(r: dict[str, Any]) -> list[str]:
                      + ("within" if memory.get("tree_within_bound") else "**over**"))
         if tree.get("gpu_peak_used_bytes"):
             text += f"; GPU in use at most {tree['gpu_peak_used_bytes'] / 2**30:.1f} GiB"
+        stages = [e for e in tree.get("stages") or [] if e["stage"] != "between stages"]
+        if stages:
+            top = max(stages, key=lambda e: e["tree_peak_pss_bytes"])
+            text += (f"; most during `{top['stage']}` (tree {top['tree_peak_pss_bytes'] / 2**30:.1f} GiB, convert "
+                     f"process {top['root_peak_rss_bytes'] / 2**30:.1f} GiB; per stage: `report.json` → "
+                     "`memory.tree.stages`)")
         lines.append(text)
     return lines
 
