@@ -154,6 +154,7 @@ class ConvertRun:
                     loading[result.name] = runner
 
         built = build_targets(ctx, progress, self.log, start_loading)
+        self.spares.close()  # every child this run needs has started: a spare left over would only hold memory
         with progress.stage("validate numerics"):
             eager = validation.local("eager", original, device, dtype)
             validation.set_baseline(device, dtype, eager)
@@ -192,7 +193,6 @@ class ConvertRun:
             eager_kernels, choice = audit_kernels(live, samples[0], results, recipe.runtime.attention_backend)
         self.warn(*slower_than_source(results))
         validation.close()
-        self.spares.close()
 
         return report_mod.assemble(
             recipe=recipe, checkpoint=self.checkpoint, loaded=loaded, plan=plan, signature=signature,
