@@ -42,12 +42,12 @@ class ConvertResult:
 
 def resolve_recipe(recipe: str | Path | Recipe, factory: str | None = None, dims: tuple[str, ...] = (),
                    tensors: tuple[str, ...] = (), rewrite: bool = True, targets: tuple[str, ...] = (),
-                   settings: tuple[str, ...] = ()) -> Recipe:
+                   settings: tuple[str, ...] = (), task: str | None = None) -> Recipe:
     """The recipe (a name, a path or a Recipe) with the command line's ``--set`` overrides, then its factory,
     input declarations, ``--target`` selection and ``--no-rewrite`` (``rewrite=False``; True keeps the
     recipe's own setting)."""
     loaded = apply_settings(recipe if isinstance(recipe, Recipe) else load_recipe(recipe), settings)
-    resolved = loaded.with_factory(factory).with_inputs(dims, tensors).with_targets(targets)
+    resolved = loaded.with_factory(factory).with_inputs(dims, tensors).with_targets(targets).with_task(task)
     return resolved if rewrite else resolved.with_rewrite(False)
 
 
@@ -66,7 +66,8 @@ def memory_section(recipe: Recipe, checkpoint_bytes: int, tree: TreeMemory) -> d
 
 
 def default_out(checkpoint: str | Path, recipe: Recipe) -> Path:
-    suffix = "" if recipe.runtime.rewrite_attention else "-no-rewrite"
+    suffix = ("" if recipe.runtime.rewrite_attention else "-no-rewrite") + \
+        ("-generation" if recipe.model.task == "text-generation" else "")
     return Path("artifacts") / model_name(Path(checkpoint)) / f"{recipe.name}{suffix}"
 
 
@@ -74,19 +75,21 @@ def convert(checkpoint: str | Path, recipe: str | Path | Recipe = "cpu-fp32", ou
             model: str | None = None, inputs: str | Path | None = None, allow_drift: bool = False,
             allow_pickle: bool = False, overwrite: bool = False, progress: Progress | None = None,
             dims: tuple[str, ...] = (), tensors: tuple[str, ...] = (), rewrite: bool = True,
-            targets: tuple[str, ...] = (), settings: tuple[str, ...] = (),
+            targets: tuple[str, ...] = (), settings: tuple[str, ...] = (), task: str | None = None,
             command: list[str] | None = None) -> ConvertResult:
     """Run the whole pipeline on ``checkpoint`` and return the report; files land in ``out``.
 
     ``dims`` and ``tensors`` declare inputs as the command line's ``--dim`` and ``--input`` do;
     ``rewrite=False`` is ``--no-rewrite`` (attention audited, left as written: to measure the rewrite);
-    ``targets`` is ``--target``, a subset of the recipe's targets; ``settings`` are ``--set section.key=value``
+    ``targets`` is ``--target``, a subset of the recipe's targets; ``task`` is ``--task``
+    (``text-generation``: prefill and decode programs over a static KV cache, docs/generation.md);
+    ``settings`` are ``--set section.key=value``
     overrides; ``command`` is the command line to record in the report (the CLI passes its own).
     Raises ExporterError for user mistakes (before anything is written) and for interrupts; target
     and numerics failures are reported in the result (``exit_code``), not raised.
     """
     progress = progress or Progress(enabled=False)
-    recipe_obj = resolve_recipe(recipe, model, dims, tensors, rewrite, targets, settings)
+    recipe_obj = resolve_recipe(recipe, model, dims, tensors, rewrite, targets, settings, task)
     check_machine(recipe_obj)
     checkpoint = Path(checkpoint)
     if not checkpoint.exists():
@@ -96,11 +99,19 @@ def convert(checkpoint: str | Path, recipe: str | Path | Recipe = "cpu-fp32", ou
         run = ConvertRun(checkpoint, recipe_obj, folder.staged, inputs, allow_drift, allow_pickle, progress)
         try:
             with TreeMemory(stage=lambda: progress.current) as tree:
-                data = run.execute()
+                if recipe_obj.model.task == "text-generation":
+                    from .generation.run import convert_generation  # noqa: PLC0415
+
+                    data, files = convert_generation(checkpoint, recipe_obj, folder.staged, allow_drift, allow_pickle,
+                                                     progress)
+                    manifest_inputs = {"checkpoint_files": files, "recipe": run.manifest_inputs()["recipe"]}
+                else:
+                    data = run.execute()
+                    manifest_inputs = run.manifest_inputs()
             data["memory"] = memory_section(recipe_obj, data["model"]["checkpoint_bytes"], tree)
             data["run"] = {"command": public_command(command) if command else None, "settings": list(settings)}
             data["model"]["checkpoint"] = path_from(folder.final, checkpoint)  # from where the report will be
-            report_mod.write_all(folder.staged, data, run.manifest_inputs())
+            report_mod.write_all(folder.staged, data, manifest_inputs)
         except ExporterError:
             raise
         except Exception as exc:

@@ -62,6 +62,9 @@ def cli() -> None:
               help="Build only this target of the recipe's; repeatable.")
 @click.option("--no-rewrite", is_flag=True,
               help="Leave attention as written (sites still audited): the baseline for what the rewrite buys.")
+@click.option("--task", type=click.Choice(["forward", "text-generation"]), default=None,
+              help="What to convert for (default: the recipe's model.task, else forward): text-generation builds a "
+                   "decoder's prefill and decode programs over a static KV cache (docs/generation.md).")
 @click.option("--set", "settings", multiple=True, metavar="SECTION.KEY=VALUE",
               help="Override one recipe key, checked like the recipe file (repeatable), e.g. numerics.atol=1e-6, "
                    "runtime.dtype=bfloat16, targets.build=onnx,aoti, inputs.dims.batch=4:1:32.")
@@ -70,14 +73,14 @@ def cli() -> None:
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
 @click.option("--json", "as_json", is_flag=True, help="Print report.json to stdout.")
-def convert(checkpoint, recipe, out, factory, inputs_file, dims, tensors, targets, no_rewrite, settings, allow_drift,
-            allow_pickle, overwrite, quiet, as_json):
+def convert(checkpoint, recipe, out, factory, inputs_file, dims, tensors, targets, no_rewrite, task, settings,
+            allow_drift, allow_pickle, overwrite, quiet, as_json):
     """Load CHECKPOINT, rewrite attention to SDPA, export, validate numerics, benchmark and report."""
     from .api import convert as run_convert
     progress = Progress(enabled=not quiet)
     result = run_convert(checkpoint, recipe, out, model=factory, inputs=inputs_file, allow_drift=allow_drift,
                          allow_pickle=allow_pickle, overwrite=overwrite, progress=progress, dims=dims,
-                         tensors=tensors, rewrite=not no_rewrite, targets=targets, settings=settings,
+                         tensors=tensors, rewrite=not no_rewrite, targets=targets, settings=settings, task=task,
                          command=typed_command(click.get_current_context()))
     if as_json:
         click.echo(json.dumps(result.report, indent=2, default=str))
@@ -215,6 +218,53 @@ def verify(out_dir, junit, as_json):
         click.echo(f"error: {line}", err=True)
     click.echo(summary(result), err=as_json)
     sys.exit(result.exit_code)
+
+
+def _token_rows(texts: tuple[str, ...]) -> list[list[int]]:
+    from .errors import InputsError
+
+    rows = []
+    for text in texts:
+        try:
+            rows.append([int(part) for part in text.replace(" ", "").split(",") if part])
+        except ValueError:
+            raise InputsError(f"--input-ids {text!r} is not a comma-separated list of token ids",
+                              "write --input-ids 1,2,3") from None
+    return rows
+
+
+@cli.command()
+@click.argument("out_dir", type=click.Path(path_type=str))
+@click.option("--target", "-t", "target", required=True, metavar="NAME",
+              help="The built target to generate with (exported_program, aoti).")
+@click.option("--input-ids", "input_ids", multiple=True, required=True, metavar="1,2,3",
+              help="A prompt's token ids; repeat for more rows (shorter rows are left-padded).")
+@click.option("--max-new-tokens", type=int, default=None, help="Tokens to generate [default: the recipe's new_tokens].")
+@click.option("--json", "as_json", is_flag=True, help='Print {"generated": [[new token ids], ...]}.')
+def generate(out_dir, target, input_ids, max_new_tokens, as_json):
+    """Greedy generation from a target of a --task text-generation output folder."""
+    import os
+    import subprocess
+
+    from .generation import generate_tokens
+    from .targets.toolchain import aoti_preload
+
+    preload = aoti_preload() if target == "aoti" else None
+    if preload and preload not in os.environ.get("LD_PRELOAD", ""):
+        # an AOTInductor package loads with the compiler's libstdc++ first (targets/toolchain.py): run in a child
+        from .runners import child_env
+
+        argv = ["generate", out_dir, "--target", target, *[f"--input-ids={t}" for t in input_ids]]
+        argv += [f"--max-new-tokens={max_new_tokens}"] if max_new_tokens is not None else []
+        argv += ["--json"] if as_json else []
+        done = subprocess.run([sys.executable, "-m", "exporter", *argv], env=child_env(preload), check=False)
+        sys.exit(done.returncode)
+    generated = generate_tokens(out_dir, target, _token_rows(input_ids), max_new_tokens)
+    if as_json:
+        click.echo(json.dumps({"generated": generated}))
+    else:
+        for row in generated:
+            click.echo(",".join(str(t) for t in row))
 
 
 @cli.command(epilog=VALIDATE_EXAMPLES)

@@ -67,11 +67,28 @@ class TensorSpec:
 NONFINITE_POLICIES = ("warn", "error")
 
 
+TASKS = ("forward", "text-generation")
+
+
 @dataclass(frozen=True)
 class ModelSection:
     factory: str | None = None
     outputs: tuple[str, ...] = ()
     nonfinite_weights: str = "warn"  # NaN/Inf in the checkpoint: "warn" (default) or "error"
+    task: str = "forward"  # "text-generation": a decoder's prefill and decode over a static KV cache
+
+
+@dataclass(frozen=True)
+class GenerationSection:
+    """``--task text-generation``: the static cache the programs are built for, the prompts and how many
+    tokens the gate generates (docs/generation.md)."""
+
+    batch: int = 2  # prompts per batch; the programs take 1 to this many
+    prompt_length: int = 16  # tokens of the generated prompts (odd rows are left-padded by a quarter of it)
+    max_cache_len: int = 64  # cache slots: prompt + new tokens must fit
+    new_tokens: int = 8  # greedy steps the gate judges (teacher-forced) and generates
+    bench_tokens: int = 32  # decode steps timed after the prompt
+    cuda_graph: bool = True  # also time the decode replayed from a CUDA graph (CUDA only)
 
 
 @dataclass(frozen=True)
@@ -144,6 +161,7 @@ class Recipe:
     numerics: NumericsSection = field(default_factory=NumericsSection)
     bench: BenchSection = field(default_factory=BenchSection)
     report: ReportSection = field(default_factory=ReportSection)
+    generation: GenerationSection = field(default_factory=GenerationSection)
     source: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -169,6 +187,15 @@ class Recipe:
         problems.raise_if_any()
         build = tuple(t for t in TARGETS if t in targets)
         return dataclasses.replace(self, targets=dataclasses.replace(self.targets, build=build))
+
+    def with_task(self, task: str | None) -> "Recipe":
+        """``--task NAME``: what the model is converted for (``forward`` or ``text-generation``)."""
+        if not task or task == self.model.task:
+            return self
+        problems = _Problems("given with --task", f"choose from {', '.join(TASKS)}")
+        _choice(task, TASKS, "--task", problems)
+        problems.raise_if_any()
+        return dataclasses.replace(self, model=dataclasses.replace(self.model, task=task))
 
     def with_rewrite(self, enabled: bool) -> "Recipe":
         if enabled == self.runtime.rewrite_attention:
@@ -363,7 +390,7 @@ def _parse_tensors(items: Any, dims: tuple[Dim, ...], problems: _Problems) -> tu
 def parse_recipe(data: dict, name: str, source: str, problems: _Problems | None = None) -> Recipe:
     """Build a Recipe from parsed TOML, listing every problem at once."""
     p = problems or _Problems(source)
-    sections = {"model", "runtime", "targets", "inputs", "numerics", "bench", "report"}
+    sections = {"model", "runtime", "targets", "inputs", "numerics", "bench", "report", "generation"}
     _unknown(data, {"schema_version", "description"} | sections, "", p)
     version = _get(data, "schema_version", int, None, "recipe", p)
     if version is None and "schema_version" not in data:
@@ -380,13 +407,15 @@ def parse_recipe(data: dict, name: str, source: str, problems: _Problems | None 
         return value
 
     t = table("model")
-    _unknown(t, {"factory", "outputs", "nonfinite_weights"}, "model", p)
+    _unknown(t, {"factory", "outputs", "nonfinite_weights", "task"}, "model", p)
     factory = _get(t, "factory", str, None, "model", p)
     if factory is not None and not _FACTORY.match(factory):
         p.add("model.factory", f"{factory!r} is not of the form package.module:function")
     model = ModelSection(factory=factory, outputs=_str_list(t, "outputs", (), "model", p),
-                         nonfinite_weights=_get(t, "nonfinite_weights", str, "warn", "model", p))
+                         nonfinite_weights=_get(t, "nonfinite_weights", str, "warn", "model", p),
+                         task=_get(t, "task", str, "forward", "model", p))
     _choice(model.nonfinite_weights, NONFINITE_POLICIES, "model.nonfinite_weights", p)
+    _choice(model.task, TASKS, "model.task", p)
 
     t = table("runtime")
     dr = RuntimeSection()
@@ -487,10 +516,25 @@ def parse_recipe(data: dict, name: str, source: str, problems: _Problems | None 
     _unknown(t, {f.name for f in dataclasses.fields(ReportSection)}, "report", p)
     report = ReportSection(host=_get(t, "host", bool, ReportSection().host, "report", p))
 
+    t = table("generation")
+    dg = GenerationSection()
+    _unknown(t, {f.name for f in dataclasses.fields(GenerationSection)}, "generation", p)
+    generation = GenerationSection(**{f.name: _get(t, f.name, type(getattr(dg, f.name)), getattr(dg, f.name),
+                                                   "generation", p) for f in dataclasses.fields(GenerationSection)})
+    if generation.batch < 2:
+        p.add("generation.batch", f"must be at least 2 (the programs also run batch 1), got {generation.batch}")
+    if generation.prompt_length < 2:
+        p.add("generation.prompt_length", f"must be at least 2, got {generation.prompt_length}")
+    if generation.new_tokens < 1 or generation.bench_tokens < 1:
+        p.add("generation.new_tokens", "new_tokens and bench_tokens must be at least 1")
+    if generation.prompt_length + max(generation.new_tokens, 1) > generation.max_cache_len:
+        p.add("generation.max_cache_len", f"{generation.max_cache_len} slots cannot hold a "
+              f"{generation.prompt_length}-token prompt and {generation.new_tokens} new tokens")
+
     p.raise_if_any()
     return Recipe(name=name, description=description, schema_version=SCHEMA_VERSION, model=model,
                   runtime=runtime, targets=targets, inputs=inputs, numerics=numerics, bench=bench,
-                  report=report, source=source)
+                  report=report, generation=generation, source=source)
 
 
 # --------------------------------------------------------------------------- lookup
@@ -571,7 +615,7 @@ def recipe_from_dict(data: dict[str, Any], source: str = "recipe.json") -> Recip
 def _as_table(data: dict[str, Any]) -> dict[str, Any]:
     """``Recipe.to_dict()``'s shape turned into the TOML file's (what :func:`parse_recipe` reads)."""
     table: dict[str, Any] = {k: v for k, v in data.items() if k not in ("name", "source", "inputs") and v is not None}
-    for section in ("model", "runtime", "targets", "numerics", "bench", "report"):
+    for section in ("model", "runtime", "targets", "numerics", "bench", "report", "generation"):
         if isinstance(table.get(section), dict):
             table[section] = {k: v for k, v in table[section].items() if v is not None}
     inputs = data.get("inputs")

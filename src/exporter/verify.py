@@ -303,7 +303,9 @@ def _verify(out: Path, result: VerifyResult, timeout_s: float) -> None:
         pass
     artifacts = [a for a in (report or {}).get("artifacts", []) if isinstance(a, dict)]
     bad = _check_files(out, manifest, result, artifacts)
-    trusted = {"report.json", "reference/inputs.safetensors", "reference/outputs.safetensors"}
+    generation = (report or {}).get("task") == "text-generation"
+    trusted = {"report.json", "generation.json", "reference/generation.safetensors"} if generation else \
+        {"report.json", "reference/inputs.safetensors", "reference/outputs.safetensors"}
     if report is None or trusted & bad or any(p not in {f.get("path") for f in manifest["files"]} for p in trusted):
         result.checks.append(Check("folder", "reference", False, "report.json or the stored reference is missing or "
                                    "changed, so no artifact can be re-run against it", EXIT_INTEGRITY))
@@ -314,7 +316,11 @@ def _verify(out: Path, result: VerifyResult, timeout_s: float) -> None:
                                    EXIT_INTEGRITY))
         return
     _recorded_verdict(report, result)
-    samples, reference = reference_sources(out, report)
+    if generation:
+        samples: Any = None
+        reference: Any = None
+    else:
+        samples, reference = reference_sources(out, report)
     for entry in artifacts:
         name = entry["name"]
         if not entry.get("path"):
@@ -328,7 +334,51 @@ def _verify(out: Path, result: VerifyResult, timeout_s: float) -> None:
         if any(f["path"] in bad for f in entry.get("files") or []):
             result.checks.append(Check(name, "loads", None, "not run: its files do not match manifest.json"))
             continue
-        _rerun(out, report, entry, samples, reference, result, timeout_s)
+        if generation:
+            _rerun_generation(out, entry, result, timeout_s)
+        else:
+            _rerun(out, report, entry, samples, reference, result, timeout_s)
+
+
+VERIFY_STEPS = 4  # decode steps a verify re-runs (teacher-forced and free), against the stored bars
+
+
+def _rerun_generation(out: Path, entry: dict[str, Any], result: VerifyResult, timeout_s: float) -> None:
+    """A short generation from the target's prefill and decode programs, in a fresh process: each step's logits
+    against the stored float64 reference and the bar convert stored, and the tokens it picks."""
+    import tempfile  # noqa: PLC0415
+
+    from .generation.run import run_session  # noqa: PLC0415
+
+    name = entry["name"]
+    problem = device_problem(entry["device"])
+    if problem:
+        result.checks.append(Check(name, "loads", False, problem, EXIT_ENVIRONMENT))
+        result.checks.append(Check(name, "numerics", None, "not run: the artifact could not be loaded here"))
+        return
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as scratch:
+        answer = run_session(out, name, Path(scratch) / "session.log", time_it=False, steps=VERIFY_STEPS,
+                             timeout_s=timeout_s, scratch=Path(scratch))
+        log = (Path(scratch) / "session.log").read_text(errors="replace")[-400:] if "error" in answer else ""
+    if "error" in answer:
+        result.checks.append(Check(name, "loads", False, f"no longer loads or runs: {answer['error']}"
+                                   + (f" ({log.strip().splitlines()[-1]})" if log.strip() else ""), EXIT_TARGET,
+                                   time.perf_counter() - t0))
+        result.checks.append(Check(name, "numerics", None, "not run: the artifact did not load"))
+        return
+    result.checks.append(Check(name, "loads", True, f"loaded in {answer['load_s']:.1f} s"))
+    numerics = answer["numerics"]
+    steps = len(numerics["steps"])
+    if numerics["passed"]:
+        tokens = "tokens identical to the reference" if numerics["tokens_identical"] else \
+            "tokens differ only at near-ties" if all(d["near_tie"] for d in numerics["token_differences"]) else \
+            "tokens differ"
+        message = f"{steps} generation steps within their stored bars; {tokens}"
+    else:
+        message = "; ".join(numerics["failures"][:3]) or "NaN/Inf in the logits"
+    result.checks.append(Check(name, "numerics", numerics["passed"], message, EXIT_NUMERICS,
+                               time.perf_counter() - t0))
 
 
 def summary(result: VerifyResult) -> str:

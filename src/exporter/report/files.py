@@ -61,8 +61,15 @@ def write_all(staging: Path, report: dict[str, Any], extra: dict[str, Any]) -> N
     _drop_empty_logs(staging)
     recipe_dict = extra.get("recipe")
     write_json(staging / "recipe.json", recipe_dict)
-    report["chart"] = write_chart(report, staging)
-    write_json(staging / "report.json", report)
-    write_atomic(staging / "report.md", render_markdown(report))
+    if report.get("task") == "text-generation":
+        from ..generation.markdown import render  # noqa: PLC0415
+
+        report["chart"] = None
+        write_json(staging / "report.json", report)
+        write_atomic(staging / "report.md", render(report))
+    else:
+        report["chart"] = write_chart(report, staging)
+        write_json(staging / "report.json", report)
+        write_atomic(staging / "report.md", render_markdown(report))
     manifest = build_manifest(staging, report, extra.get("checkpoint_files", []), recipe_dict)
     write_json(staging / "manifest.json", manifest)

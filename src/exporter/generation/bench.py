@@ -1,0 +1,145 @@
+"""Timing a generation: prefill latency, per-token decode latency, tokens/s, and the decode's bandwidth.
+
+The decode step of a decoder at small batch reads every weight and the whole static cache once per token
+and does little arithmetic: its limit is memory bandwidth. ``bytes_per_token`` counts what one step must
+read (the weights once, the KV cache of every layer); divided by the step's time it is the achieved
+bandwidth, and divided by the device's measured copy bandwidth (``copy_bandwidth``) it is the time limit the
+step is held against. On CUDA the decode is also replayed from a CUDA graph (its inputs are fixed-address
+buffers: ``DecoderStep``), which removes the launch overhead of every kernel; a step that cannot be captured
+is timed without, and the reason is kept.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from ..errors import describe
+from .driver import Prompt, Steps
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _median_ms(fn: Callable[[], Any], device: str, warmup: int, rounds: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def _stats(times: list[float], per: int = 1) -> dict[str, float]:
+    ordered = sorted(t / per for t in times)
+    return {"median_ms": statistics.median(ordered), "p90_ms": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
+            "rounds": len(ordered)}
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers, each storage once (tied weights are read once)."""
+    seen: dict[int, int] = {}
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def copy_bandwidth(device: str, megabytes: int = 1024) -> float | None:
+    """Bytes per second a device-to-device copy of ``megabytes`` moves (read + write), best of 10; None on CPU."""
+    if not device.startswith("cuda"):
+        return None
+    src = torch.empty(megabytes * 2**20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = _median_ms(lambda: dst.copy_(src), device, 3, 10)
+    return 2 * src.numel() / (min(times) / 1e3)
+
+
+def time_steps(steps: Steps, prompt: Prompt, tokens: int, warmup: int, rounds: int, graph: bool) -> dict[str, Any]:
+    """Prefill over ``prompt`` and ``tokens`` decode steps after it, each timed ``rounds`` times."""
+    device, batch = steps.device, prompt.input_ids.shape[0]
+    ids = prompt.input_ids.to(device).contiguous()
+    padding = prompt.padding(steps.cache_length).to(device)
+    positions = torch.arange(prompt.length, device=device)
+    kv = steps.layout.allocate(batch, steps.cache_length, steps.dtype, device)
+    tokens = max(1, min(tokens, steps.cache_length - prompt.length))
+    out: dict[str, Any] = {"batch": batch, "prompt": prompt.length, "tokens": tokens}
+    with torch.inference_mode():
+        out["prefill"] = _stats(_median_ms(lambda: steps.prefill(ids, padding, positions, kv), device, warmup, rounds))
+        token = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        where = torch.tensor([prompt.length], device=device)
+
+        def decode_all(step: Callable[[], Any]) -> None:
+            for t in range(tokens):
+                where.fill_(prompt.length + t)
+                step()
+
+        eager_step = lambda: steps.decode(token, padding, where, kv)  # noqa: E731
+        out["decode"] = _stats(_median_ms(lambda: decode_all(eager_step), device, 1, rounds), per=tokens)
+        out["decode"]["cuda_graph"] = False
+        if graph and device.startswith("cuda"):
+            try:
+                graphed = steps.fresh_decode() if steps.fresh_decode is not None else steps.decode
+                graph_step = lambda: graphed(token, padding, where, kv)  # noqa: E731
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(3):
+                        graph_step()
+                torch.cuda.current_stream().wait_stream(stream)
+                cuda_graph = torch.cuda.CUDAGraph()
+                # relaxed: an AOTInductor container asks whether its last run's event has finished
+                # (cudaEventQuery) before each run, which the default capture mode forbids and which fails
+                # the capture ("operation failed due to a previous error during capture")
+                with torch.cuda.graph(cuda_graph, capture_error_mode="relaxed"):
+                    graph_step()
+                replayed = _stats(_median_ms(lambda: decode_all(cuda_graph.replay), device, 1, rounds), per=tokens)
+                out["decode_graph"] = {**replayed, "cuda_graph": True}
+            except Exception as exc:  # timed without the graph; the reason is reported
+                out["decode_graph"] = {"cuda_graph": False, "error": describe(exc)}
+                torch.cuda.synchronize()
+    best = out["decode"]["median_ms"]
+    if out.get("decode_graph", {}).get("cuda_graph"):
+        best = min(best, out["decode_graph"]["median_ms"])
+    out["decode_best_ms"] = best
+    out["tokens_per_s"] = batch * 1e3 / best
+    return out
+
+
+def time_eager_generate(model: nn.Module, prompt: Prompt, tokens: int, device: str, rounds: int) -> dict[str, Any]:
+    """transformers' ``generate`` (greedy, its default cache): prefill = one new token; per token = the rest."""
+    ids, mask = prompt.input_ids.to(device), prompt.mask.to(device)
+
+    hf: Any = model  # a transformers PreTrainedModel
+
+    def run(n: int) -> None:
+        hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                       pad_token_id=0)
+
+    with torch.inference_mode():
+        one = _median_ms(lambda: run(1), device, 1, rounds)
+        many = _median_ms(lambda: run(tokens), device, 1, rounds)
+    prefill = statistics.median(one)
+    per_token = max(statistics.median(many) - prefill, 0.0) / max(tokens - 1, 1)
+    batch = ids.shape[0]
+    return {"batch": batch, "prompt": prompt.length, "tokens": tokens, "prefill": {"median_ms": prefill},
+            "decode": {"median_ms": per_token}, "decode_best_ms": per_token,
+            "tokens_per_s": batch * 1e3 / per_token if per_token > 0 else None}
+
+
+def bandwidth(timing: dict[str, Any], bytes_per_token: int, copy_bytes_per_s: float | None) -> dict[str, Any]:
+    """Achieved bytes/s of the decode, and the fraction of the copy bandwidth it reaches."""
+    seconds = timing["decode_best_ms"] / 1e3
+    achieved = bytes_per_token / seconds if seconds > 0 else None
+    return {"bytes_per_token": bytes_per_token, "achieved_bytes_per_s": achieved,
+            "limit_ms": bytes_per_token / copy_bytes_per_s * 1e3 if copy_bytes_per_s else None,
+            "fraction_of_copy": achieved / copy_bytes_per_s if achieved and copy_bytes_per_s else None}

@@ -1,0 +1,85 @@
+"""Greedy generation from a prefill and a decode step (eager modules, exported programs or AOTI packages alike).
+
+``Steps`` pairs two callables with ``DecoderStep``'s signature. ``generate`` runs them: the prefill over the
+prompt, then one decode per new token, over a cache it allocates. With ``forced`` tokens it feeds those
+instead of its own picks (teacher forcing), so every step's logits can be compared with the reference's at
+the same prefix; the tokens it returns are still its own picks at each step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from .cache import CacheLayout
+
+Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]], torch.Tensor]
+
+
+@dataclass
+class Steps:
+    prefill: Step
+    decode: Step
+    layout: CacheLayout
+    cache_length: int
+    dtype: torch.dtype
+    device: str
+    # a second instance of the decode program, for a CUDA graph to capture: an AOTInductor container whose run
+    # was captured cannot run outside the graph again (its completion event was recorded in the capture)
+    fresh_decode: Optional[Callable[[], Step]] = None
+
+
+@dataclass
+class Prompt:
+    input_ids: torch.Tensor  # [B, P] int64, left-padded
+    mask: torch.Tensor  # [B, P] int64: 0 for padding
+
+    @property
+    def length(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    def padding(self, cache_length: int) -> torch.Tensor:
+        """The step's ``padding_mask`` over every cache slot: the prompt's, then 1 for every slot after it."""
+        batch = self.input_ids.shape[0]
+        rest = torch.ones(batch, cache_length - self.length, dtype=torch.long, device=self.mask.device)
+        return torch.cat([self.mask.long(), rest], dim=1).contiguous()
+
+
+def check_fits(prompt: Prompt, new_tokens: int, cache_length: int) -> None:
+    from ..errors import InputsError  # noqa: PLC0415
+
+    if prompt.length + new_tokens > cache_length:
+        raise InputsError(f"a {prompt.length}-token prompt plus {new_tokens} new tokens does not fit the "
+                          f"{cache_length}-slot cache the artifact was built for",
+                          "shorten the prompt or --max-new-tokens, or convert with a larger generation.max_cache_len")
+
+
+def generate(steps: Steps, prompt: Prompt, new_tokens: int, forced: torch.Tensor | None = None,
+             keep_logits: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Greedy tokens ``[B, new_tokens]`` and each step's logits ``[B, vocab]`` (on the CPU, float32 or wider)."""
+    check_fits(prompt, new_tokens, steps.cache_length)
+    device = steps.device
+    ids = prompt.input_ids.to(device).contiguous()
+    batch = ids.shape[0]
+    padding = prompt.padding(steps.cache_length).to(device)
+    kv = steps.layout.allocate(batch, steps.cache_length, steps.dtype, device)
+    logits: list[torch.Tensor] = []
+    tokens: list[torch.Tensor] = []
+    with torch.inference_mode():
+        if prompt.length > 1:
+            out = steps.prefill(ids, padding, torch.arange(prompt.length, device=device), kv)
+        else:
+            out = steps.decode(ids, padding, torch.zeros(1, dtype=torch.long, device=device), kv)
+        for step in range(new_tokens):
+            pick = out.argmax(-1)
+            tokens.append(pick.cpu())
+            if keep_logits:
+                logits.append(out.float().cpu() if out.dtype != torch.float64 else out.cpu())
+            if step == new_tokens - 1:
+                break
+            feed = forced[:, step].to(device) if forced is not None else pick
+            position = torch.tensor([prompt.length + step], device=device)
+            out = steps.decode(feed.reshape(batch, 1).contiguous(), padding, position, kv)
+    return torch.stack(tokens, dim=1), logits

@@ -1,0 +1,98 @@
+"""``report.md`` of a ``--task text-generation`` run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _ms(value: Any) -> str:
+    return f"{value:.3g}" if isinstance(value, (int, float)) else "—"
+
+
+def _verdict(numerics: dict[str, Any] | None) -> str:
+    if not numerics or numerics.get("passed") is None:
+        return "—"
+    mark = "✅ ok" if numerics["passed"] else "❌ failed"
+    worst = numerics.get("worst_ratio")
+    tokens = "tokens identical" if numerics.get("tokens_identical") else \
+        f"{len(numerics.get('token_differences') or [])} row(s) differ"
+    return f"{mark} (worst {worst:.2f} of its bar; {tokens})" if isinstance(worst, float) else f"{mark} ({tokens})"
+
+
+def _timing_cells(bench: dict[str, Any] | None, label: str) -> list[str]:
+    row = (bench or {}).get(label) or {}
+    graph = row.get("decode_graph") or {}
+    band = row.get("bandwidth") or {}
+    frac = band.get("fraction_of_copy")
+    return [_ms((row.get("prefill") or {}).get("median_ms")), _ms((row.get("decode") or {}).get("median_ms")),
+            _ms(graph.get("median_ms")) if graph.get("cuda_graph") else ("failed" if graph else "—"),
+            _ms(row.get("tokens_per_s")), f"{frac:.0%}" if isinstance(frac, float) else "—"]
+
+
+def render(report: dict[str, Any]) -> str:
+    gen = report["generation"]
+    model = report["model"]
+    lines = [f"# {model['name']}: text generation ({report['recipe']['name']})", ""]
+    status = "passed" if report["passed"] else f"FAILED (exit {report['exit_code']})"
+    lines += [f"**{status}** — {model['architecture']}, {model['parameters']:,} parameters, "
+              f"{report['recipe']['dtype']} on {report['recipe']['device']}; static KV cache of "
+              f"{gen['cache_length']} slots, batch 1 to {gen['batch']}.", ""]
+    for problem in report.get("problems") or []:
+        lines.append(f"- ❌ {problem}")
+    lines += ["## Numerics", "",
+              f"Reference: {report['reference']['model']}, float64, greedy {gen['new_tokens']} tokens from "
+              f"{gen['batch']} prompts of {gen['prompt_length']} tokens (rows {gen['padded_rows']} left-padded by "
+              f"{gen['pad_tokens']}). Each step's logits are judged teacher-forced by the rule "
+              f"`{report['tolerance']['rule']}` (k = {report['tolerance']['k']:g}).", "",
+              "| variant | status | verdict | free-running tokens |", "| --- | --- | --- | --- |"]
+    eager = gen["eager"]
+    lines.append(f"| eager ({report['recipe']['dtype']}, no cache) | — | "
+                 f"{'tokens identical' if eager['tokens_identical'] else 'tokens differ'} | — |")
+    rows = [report["rewritten"]] + report["artifacts"]
+    for row in rows:
+        numerics = row.get("numerics") or {}
+        free = numerics.get("free_running") or {}
+        free_text = ("identical" if free.get("identical") else "differ") if free else "—"
+        lines.append(f"| {row['name']} | {row.get('status', '—')} | {_verdict(numerics)} | {free_text} |")
+    for row in rows:
+        for diff in (row.get("numerics") or {}).get("token_differences") or []:
+            kind = "near-tie" if diff["near_tie"] else "defect"
+            lines.append(f"- {row['name']}: row {diff['row']} differs at step {diff['step']} ({kind}: reference margin "
+                         f"{diff['reference_margin']:.3g}, largest logit error {diff['max_logit_error']:.3g})")
+    skipped = [a for a in report["artifacts"] if a["status"] == "skipped"]
+    for entry in skipped:
+        lines.append(f"- {entry['name']}: skipped — {entry['error']}")
+    lines += ["", "## Timing", "",
+              "Decode per token; the CUDA-graph column replays the decode step from a graph; bandwidth: weights and "
+              "the whole static cache read once per token, as a fraction of the measured copy bandwidth.", "",
+              "| variant | batch | prefill ms | decode ms/token | graph ms/token | tokens/s | of copy bandwidth |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    baseline = report["baseline"].get("bench") or {}
+    for label in ("batch_1", "batch"):
+        size = "1" if label == "batch_1" else str(gen["batch"])
+        if baseline:
+            lines.append(f"| eager generate | {size} | " + " | ".join(_timing_cells(baseline, label)) + " |")
+        for row in rows:
+            if row.get("bench"):
+                lines.append(f"| {row['name']} | {size} | " + " | ".join(_timing_cells(row["bench"], label)) + " |")
+    for row in report["artifacts"]:
+        speedups = (row.get("bench") or {}).get("decode_speedup_vs_eager_generate") or {}
+        if speedups:
+            lines.append(f"- {row['name']}: decode " + ", ".join(
+                f"{v:.2f}× eager generate at {'batch 1' if k == 'batch_1' else 'batch ' + str(gen['batch'])}"
+                for k, v in speedups.items()))
+        graph = (((row.get("bench") or {}).get("batch_1") or {}).get("decode_graph") or {})
+        if graph and not graph.get("cuda_graph"):
+            lines.append(f"- {row['name']}: CUDA-graph capture failed: {graph.get('error')}")
+        programs = row.get("programs")
+        if programs:
+            lines.append(f"- {row['name']} programs: " + "; ".join(
+                f"{name}: sdpa ×{ops['sdpa']}, softmax ×{ops['softmax']}" for name, ops in programs.items()))
+    attention = report["attention"]
+    lines += ["", "## Attention", "", f"{len(attention.get('sites') or [])} site(s) rewritten to SDPA."]
+    lines += [f"- {note}" for note in attention.get("notes") or []]
+    for warning in report.get("warnings") or []:
+        lines.append(f"- ⚠ {warning}")
+    timings = report.get("timings_s") or {}
+    lines += ["", "Stages: " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()), ""]
+    return "\n".join(lines)

@@ -1,0 +1,140 @@
+"""The generation artifacts: a prefill and a decode program per target, built from ``DecoderStep``.
+
+``export_steps`` exports the step twice: prefill with the prompt length dynamic (2 to the cache length) and
+decode with one token; the batch is dynamic in both (1 to the recipe's batch) and the cache length fixed.
+The cache tensors are program inputs mutated in place, so the two programs share whatever cache the caller
+passes. Files per target:
+
+- ``exported_program``: ``prefill.pt2`` and ``decode.pt2`` (core ATen, SDPA kept as one node);
+- ``aoti``: ``prefill.aoti.pt2`` and ``decode.aoti.pt2``, with ``aoti_loader.py`` beside them.
+
+ONNX has no in-place input updates: a past-key-values ONNX export would return the whole cache from every
+step; it is not built here and the report says so. ``load_steps`` loads a target's two programs back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..attention_backend import backend_context
+from ..rewrite.graph_facts import count_graph_ops
+from ..targets.exported_program import decomposition_table
+from .cache import CacheLayout, DecoderStep
+from .driver import Steps
+
+BUILT = ("exported_program", "aoti")
+NOT_BUILT = {
+    "onnx": "not built for text-generation: ONNX has no in-place cache update, and a past-key-values export "
+            "(the whole cache in and out of every step) is not implemented here",
+    "compile": "not built for text-generation: the AOTI decode replayed in a CUDA graph is the compiled decode "
+               "this run times",
+}
+FILES = {"exported_program": ("prefill.pt2", "decode.pt2"), "aoti": ("prefill.aoti.pt2", "decode.aoti.pt2")}
+
+
+@dataclass
+class Exported:
+    prefill: Any  # torch.export.ExportedProgram, core ATen
+    decode: Any
+    export_s: float
+    notes: list[str] = field(default_factory=list)
+
+
+def _examples(layout: CacheLayout, batch: int, prompt: int, cache_length: int, dtype, device):
+    ids = torch.ones(batch, prompt, dtype=torch.long, device=device)
+    padding = torch.ones(batch, cache_length, dtype=torch.long, device=device)
+    kv = layout.allocate(batch, cache_length, dtype, device)
+    prefill = (ids, padding, torch.arange(prompt, device=device), kv)
+    decode = (ids[:, :1].contiguous(), padding, torch.tensor([prompt], device=device),
+              layout.allocate(batch, cache_length, dtype, device))
+    return prefill, decode
+
+
+def export_steps(step: DecoderStep, layout: CacheLayout, batch: int, prompt: int, cache_length: int,
+                 dtype: torch.dtype, device: str) -> Exported:
+    """Both programs, decomposed to core ATen with SDPA kept. Named dims first; on a guard torch cannot prove
+    over the range (seen on CUDA) the same ranges as ``Dim.DYNAMIC`` hints, noted."""
+    t0 = time.perf_counter()
+    prefill_args, decode_args = _examples(layout, batch, prompt, cache_length, dtype, device)
+    notes: list[str] = []
+
+    def shapes(named: bool):
+        make = (lambda name, lo, hi: torch.export.Dim(name, min=lo, max=hi)) if named else \
+            (lambda name, lo, hi: torch.export.Dim.DYNAMIC(min=lo, max=hi))
+        b = make("batch", 1, batch)
+        p = make("prompt", 2, cache_length)
+        kv = [{0: b} for _ in range(2 * layout.layers)]
+        return ({0: b, 1: p}, {0: b}, {0: p}, kv), ({0: b}, {0: b}, None, kv)
+
+    def export(args, dynamic):
+        return torch.export.export(step, args, dynamic_shapes=dynamic, strict=False)
+
+    try:
+        named_prefill, named_decode = shapes(True)
+        prefill = export(prefill_args, named_prefill)
+        decode = export(decode_args, named_decode)
+    except Exception as exc:
+        if "Constraints violated" not in str(exc):
+            raise
+        hinted_prefill, hinted_decode = shapes(False)
+        prefill = export(prefill_args, hinted_prefill)
+        decode = export(decode_args, hinted_decode)
+        notes.append("exported with Dim.DYNAMIC hints of the batch and prompt ranges (a guard torch could not "
+                     "prove over the named dims' ranges)")
+    table = decomposition_table()
+    return Exported(prefill.run_decompositions(table), decode.run_decompositions(table),
+                    time.perf_counter() - t0, notes)
+
+
+def attention_ops(program: Any) -> dict[str, int]:
+    """SDPA and softmax nodes in a program's graph: what its attention runs as."""
+    ops = count_graph_ops(program.graph_module.graph)
+    return {"sdpa": ops["sdpa"], "softmax": ops["softmax"]}
+
+
+def build(target: str, exported: Exported, staging: Path, device: str, attention_backend: str) -> list[Path]:
+    """Write one target's two programs into ``staging``; returns the files written."""
+    prefill_file, decode_file = (staging / name for name in FILES[target])
+    if target == "exported_program":
+        torch.export.save(exported.prefill, str(prefill_file))
+        torch.export.save(exported.decode, str(decode_file))
+        return [prefill_file, decode_file]
+    import torch._inductor.config as inductor_config  # noqa: PLC0415
+
+    from ..targets import aoti_loader  # noqa: PLC0415
+    from ..targets.aoti import LOADER  # noqa: PLC0415
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(backend_context(attention_backend, device))
+        if device != "cpu":
+            stack.enter_context(inductor_config.patch({"cpp.vec_isa_ok": False}))
+        for program, path in ((exported.prefill, prefill_file), (exported.decode, decode_file)):
+            torch._inductor.aoti_compile_and_package(program, package_path=str(path))
+    loader = staging / LOADER
+    shutil.copyfile(aoti_loader.__file__, loader)
+    return [prefill_file, decode_file, loader]
+
+
+def load_steps(target: str, folder: Path, layout: CacheLayout, cache_length: int, dtype: torch.dtype,
+               device: str) -> Steps:
+    """A built target's programs, callable as ``Steps``."""
+    prefill_file, decode_file = (folder / name for name in FILES[target])
+    fresh = None
+    if target == "exported_program":
+        prefill = torch.export.load(str(prefill_file)).module()
+        decode = torch.export.load(str(decode_file)).module()
+    elif target == "aoti":
+        from ..targets.aoti_loader import load_package  # noqa: PLC0415
+
+        prefill, decode = load_package(prefill_file), load_package(decode_file)
+        fresh = lambda: load_package(decode_file)  # noqa: E731
+    else:
+        raise ValueError(f"no generation programs for target {target!r}")
+    return Steps(prefill, decode, layout, cache_length, dtype, device, fresh)

@@ -1,0 +1,108 @@
+"""Judge and time one built generation target in a process of its own.
+
+    python -m exporter.generation.session REQUEST.json RESULT.json
+
+The request names the output folder (staged or final), the target, what to time and whether to time at all;
+the session loads the target's two programs, runs them teacher-forced on the reference's tokens (each step's
+logits judged against the stored bars), runs them on their own (greedy), times them, and writes the result.
+``exporter convert`` runs one per target (an AOTInductor package loads with the compiler's libstdc++ preloaded
+where that is needed: ``targets.toolchain``); ``exporter verify`` runs one without timing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from ..attention_backend import backend_context
+from ..errors import describe
+from ..inputs import TORCH_DTYPES
+from . import bench
+from .cache import CacheLayout
+from .driver import Prompt, generate
+from .judge import judge_steps
+from .programs import load_steps
+
+MANIFEST = "generation.json"
+REFERENCE = "reference/generation.safetensors"
+
+
+def finite(value: Any) -> Any:
+    """JSON-safe: NaN and Inf as None, recursively."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite(v) for v in value]
+    return value
+
+
+def read_setup(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    setup = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+    return setup, load_file(folder / REFERENCE)
+
+
+def run(request: dict[str, Any]) -> dict[str, Any]:
+    folder = Path(request["folder"])
+    setup, stored = read_setup(folder)
+    device, dtype = setup["device"], TORCH_DTYPES[setup["dtype"]]
+    layout = CacheLayout.from_dict(setup["layout"])
+    result: dict[str, Any] = {"target": request["target"]}
+    with backend_context(setup["attention_backend"], device):
+        t0 = time.perf_counter()
+        steps = load_steps(request["target"], folder, layout, setup["cache_length"], dtype, device)
+        sync = bench.sync
+        sync(device)
+        result["load_s"] = time.perf_counter() - t0
+        prompt = Prompt(stored["prompt_ids"], stored["prompt_mask"])
+        ref_tokens, ref_logits = stored["tokens"], stored["logits"]
+        steps_to_judge = int(request.get("steps") or ref_tokens.shape[1])
+        forced_tokens, logits = generate(steps, prompt, steps_to_judge, forced=ref_tokens[:, :steps_to_judge])
+        free, _ = generate(steps, prompt, steps_to_judge, keep_logits=False)
+        numerics = setup["numerics"]
+        result["numerics"] = judge_steps(request["target"], ref_logits[:steps_to_judge], ref_tokens[:, :steps_to_judge],
+                                         logits, free, numerics["bars"], numerics["k"], numerics["atol"])
+        if request.get("time"):
+            timing = setup["timing"]
+            result["bench"] = time_target(steps, prompt, timing)
+    return finite(result)
+
+
+def time_target(steps, prompt: Prompt, timing: dict[str, Any]) -> dict[str, Any]:
+    """At batch 1 (the prompt's first row, unpadded) and at the recipe's batch."""
+    out: dict[str, Any] = {}
+    first = Prompt(prompt.input_ids[:1, prompt.mask[0].bool()], prompt.mask[:1, prompt.mask[0].bool()])
+    for label, which in (("batch_1", first), ("batch", prompt)):
+        timed = bench.time_steps(steps, which, timing["tokens"], timing["warmup"], timing["rounds"],
+                                 graph=timing["cuda_graph"])
+        bytes_per_token = timing["weight_bytes"] + steps.layout.bytes(which.input_ids.shape[0], steps.cache_length,
+                                                                       steps.dtype)
+        timed["bandwidth"] = bench.bandwidth(timed, bytes_per_token, timing.get("copy_bytes_per_s"))
+        out[label] = timed
+    return out
+
+
+def main(argv: list[str]) -> int:
+    request = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
+    try:
+        result = run(request)
+    except Exception as exc:  # reported by the parent as this target's failure
+        result = {"target": request.get("target"), "error": describe(exc)}
+        import traceback  # noqa: PLC0415
+
+        traceback.print_exc()
+    Path(argv[1]).write_text(json.dumps(result), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.stdout.flush()
+    raise SystemExit(main(sys.argv[1:]))
