@@ -492,3 +492,18 @@ def _(tmp, a):
 
     return Case("the disk fills up mid-write", "output and faults", argv, 5, "the disk filled up while writing",
                 out=mount / "out", cleanup=unmount)
+
+
+@case("text generation", "--task text-generation on a model that is not a decoder")
+def _(tmp, a):
+    return Case("--task text-generation on a model that is not a decoder", "text generation",
+                convert(a.factory_dir / "linear.safetensors", tmp, "--model", f"{a.factory_module}:good",
+                        "--task", "text-generation"), 2,
+                "the model cannot run one step with a KV cache", env=_factory_env(a))
+
+
+@case("text generation", "generate from a folder without generation programs")
+def _(tmp, a):
+    return Case("generate from a folder without generation programs", "text generation",
+                ["generate", str(tmp), "--target", "aoti", "--input-ids", "1,2,3"], 2,
+                "holds no generation programs")

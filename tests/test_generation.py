@@ -15,6 +15,7 @@ from exporter.generation.cache import DecoderStep, probe_layout
 from exporter.generation.driver import Prompt, Steps, generate
 from exporter.generation.reference import reference_generation
 from exporter.modelio import attention_implementation
+from exporter.revalidate import validate_folder
 from exporter.verify import verify
 
 
@@ -95,6 +96,11 @@ def test_verify_re_runs_a_short_generation(llama_generation):
     numerics = [c for c in result.checks if c.name == "numerics"]
     assert {c.subject for c in numerics} == {"exported_program", "aoti"}
     assert all(c.passed and "steps within their stored bars" in c.message for c in numerics)
+
+
+def test_validate_points_a_generation_folder_to_verify(llama_generation):
+    with pytest.raises(exporter.errors.UsageError, match="exporter verify"):
+        validate_folder(llama_generation.out)
 
 
 def test_verify_fails_a_changed_reference(llama_generation, tmp_path):

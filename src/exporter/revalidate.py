@@ -63,6 +63,10 @@ def validate_folder(out_dir: str | Path, *, locate: bool = False, targets: tuple
     if not (out / "manifest.json").is_file():
         raise UsageError(f"{out} has no manifest.json: the convert run never finished", "run exporter convert again")
     manifest, report = read_json(out / "manifest.json"), read_json(out / "report.json")
+    if report.get("task") == "text-generation":
+        raise UsageError(f"{out} holds generation programs; exporter validate re-checks forward artifacts only",
+                         f"run exporter verify {out} (it re-runs a short generation against the stored reference), "
+                         "or convert again with --task text-generation")
     recipe = recipe_from_dict(read_json(out / "recipe.json"), source=str(out / "recipe.json"))
     known = {a["name"] for a in report["artifacts"]} | {"rewritten"}
     unknown = [t for t in targets if t not in known]
