@@ -183,3 +183,28 @@ def test_a_published_folder_names_no_host_and_verifies_where_it_moved(converted,
     assert dataclasses.replace(again, source="") == dataclasses.replace(
         load_recipe(converted / "recipe.json"), source="")
     assert again.targets.build == ("exported_program", "onnx") and again.bench.iterations == 2
+
+
+def test_aoti_weights_kept_apart_load_and_verify(tiny_models, tmp_path, monkeypatch):
+    """Above a size (here: any), an AOTI package is built without its weights, which go beside it as safetensors;
+    the shipped loader hands them over, in a server process that has only torch, and verify re-runs it."""
+    monkeypatch.setenv("EXPORTER_AOTI_WEIGHTS_APART_ABOVE", "0")
+    out = tmp_path / "apart"
+    result = exporter.convert(tiny_models["llama"], "cpu-fp32", out, targets=("aoti",))
+    assert result.exit_code == 0, result.problems
+    entry = result.report["artifacts"][0]
+    files = {f["path"] for f in entry["files"]}
+    assert {"model.aoti.pt2", "model.aoti.weights.safetensors", "aoti_loader.py"} <= files
+    assert any("beside the package" in note for note in entry["notes"])
+    weights = (out / "model.aoti.weights.safetensors").stat().st_size
+    params = sum(p.numel() * 4 for p in exporter.checkpoint.load_model(tiny_models["llama"]).model.parameters())
+    assert weights >= params  # every weight is in the file beside the package
+    server = subprocess.run(
+        [sys.executable, "-c", "import torch; from aoti_loader import load_package; "
+         "m = load_package('model.aoti.pt2'); x = torch.ones(1, 8, dtype=torch.long); "
+         "print(len(m.constants), tuple(m(x, x)[0].shape))"],
+        cwd=out, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ""})
+    assert server.returncode == 0, server.stderr
+    count, shape = server.stdout.strip().split(" ", 1)
+    assert int(count) > 0 and shape == "(1, 8, 1000)"
+    assert verify(out).passed

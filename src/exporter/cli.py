@@ -233,7 +233,18 @@ def _token_rows(texts: tuple[str, ...]) -> list[list[int]]:
     return rows
 
 
-@cli.command()
+GENERATE_EXAMPLES = """
+\b
+Examples:
+  exporter convert CKPT --recipe h100-bf16 --task text-generation --out build/llm
+  exporter generate build/llm --target aoti --input-ids 128000,791,6864 --max-new-tokens 32
+  exporter generate build/llm -t exported_program --input-ids 1,2,3 --input-ids 4,5 --json
+
+\b
+""" + exit_codes_help("convert")
+
+
+@cli.command(epilog=GENERATE_EXAMPLES)
 @click.argument("out_dir", type=click.Path(path_type=str))
 @click.option("--target", "-t", "target", required=True, metavar="NAME",
               help="The built target to generate with (exported_program, aoti).")

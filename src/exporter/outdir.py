@@ -83,9 +83,15 @@ def save_tensors(path: Path, samples: list[list[Any]], names: tuple[str, ...]) -
     Written tensor by tensor in slices, from wherever the tensors are (a GPU included): the host holds one
     slice at a time, never the whole file (float64 logits of a large vocabulary are gigabytes).
     """
+    entries = [(f"{i}.{name}", t) for i, sample in enumerate(samples) for name, t in zip(names, sample)]
+    save_named_tensors(path, entries)
+
+
+def save_named_tensors(path: Path, entries: list[tuple[str, Any]]) -> None:
+    """``(name, tensor)`` pairs as one safetensors file, written in slices from wherever the tensors are."""
     import torch  # noqa: PLC0415 - the command line reads recipes (and their paths) without torch
 
-    entries = [(f"{i}.{name}", t.detach()) for i, sample in enumerate(samples) for name, t in zip(names, sample)]
+    entries = [(key, tensor.detach()) for key, tensor in entries]
     header: dict[str, Any] = {}
     offset = 0
     for key, tensor in entries:

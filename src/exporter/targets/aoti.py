@@ -9,8 +9,10 @@ fails this target only.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +21,7 @@ import torch._inductor.config as inductor_config
 from ..attention_backend import backend_context
 from ..inputs import TORCH_DTYPES
 from ..measure.kernels import hook
+from ..outdir import save_named_tensors
 from . import aoti_loader
 from .aoti_loader import load_package
 from .exported_program import core_aten
@@ -27,8 +30,21 @@ from .toolchain import aoti_preload
 
 FILE = "model.aoti.pt2"
 LOADER = "aoti_loader.py"  # a copy of exporter/targets/aoti_loader.py: loads the package without a compiler
-# Above this, the weights go beside the compiled library in the package (one blob) instead of inside it.
-BLOB_ABOVE_BYTES = 4 * 2**30
+# Above this, the weights go beside the package in a safetensors file (``aoti_loader.weights_beside``) instead of
+# inside its library: written in slices from the GPU, where Inductor's own packaging holds every weight in host
+# memory (two copies with torch 2.11; benchmarks/convert_time_notes.md). ``aoti_loader.load_package`` hands them
+# to the package at load. EXPORTER_AOTI_WEIGHTS_APART_ABOVE (bytes) overrides the threshold.
+WEIGHTS_APART_ABOVE_BYTES = 4 * 2**30
+
+
+def weights_apart_above() -> int:
+    return int(os.environ.get("EXPORTER_AOTI_WEIGHTS_APART_ABOVE", WEIGHTS_APART_ABOVE_BYTES))
+
+
+def program_tensors(program) -> list[tuple[str, torch.Tensor]]:
+    """Every weight, buffer and tensor constant of an exported program, by the name its package asks for."""
+    named = {**program.state_dict, **{k: v for k, v in program.constants.items() if isinstance(v, torch.Tensor)}}
+    return sorted(named.items())
 
 
 def build(ctx: BuildContext) -> list[Built]:
@@ -37,9 +53,9 @@ def build(ctx: BuildContext) -> list[Built]:
     configs: dict[str, Any] = {}
     program = core_aten(ctx)
     weights = sum(t.numel() * t.element_size() for t in program.state_dict.values())
-    if weights > BLOB_ABOVE_BYTES:
-        configs.update({"aot_inductor.package_constants_in_so": False,
-                        "aot_inductor.package_constants_on_disk_format": "binary_blob"})
+    apart = weights > weights_apart_above()
+    if apart:
+        configs["aot_inductor.package_constants_in_so"] = False
     with contextlib.ExitStack() as stack:
         stack.enter_context(backend_context(ctx.recipe.runtime.attention_backend, ctx.device))
         if ctx.device != "cpu":
@@ -47,6 +63,11 @@ def build(ctx: BuildContext) -> list[Built]:
             # for the C++ it would write for CPU kernels; a CUDA graph has none worth vectorising.
             stack.enter_context(inductor_config.patch({"cpp.vec_isa_ok": False}))
         torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=configs)
+    written = [path]
+    if apart:
+        weights_file = Path(aoti_loader.weights_beside(str(path)))
+        save_named_tensors(weights_file, program_tensors(program))
+        written.append(weights_file)
     loader = ctx.staging / LOADER
     shutil.copyfile(aoti_loader.__file__, loader)
     preload = aoti_preload()
@@ -56,7 +77,10 @@ def build(ctx: BuildContext) -> list[Built]:
     notes += [f"loaded with LD_PRELOAD={preload} (see docs/gpu.md: AOTI packages can crash on load otherwise)"] \
         if preload else []
     notes.append(f"{LOADER} beside it loads the package in a server without a C++ compiler (docs/convert-time.md)")
-    return [Built("aoti", "aoti", spec, path, [path, loader], time.perf_counter() - t0, notes=notes,
+    if apart:
+        notes.append(f"weights ({weights / 2**30:.1f} GiB) in {written[-1].name} beside the package, handed to it "
+                     f"at load by {LOADER} (torch's own loader needs them inside)")
+    return [Built("aoti", "aoti", spec, path, [*written, loader], time.perf_counter() - t0, notes=notes,
                   graph={"ld_preload": preload, "inductor_configs": configs})]
 
 

@@ -7,6 +7,9 @@ builds (``aoti_loader.py``), so a server can load the package the same way::
     model = load_package("model.aoti.pt2")
     outputs = model(input_ids, attention_mask)
 
+A large model's package is built without its weights; they are in ``model.aoti.weights.safetensors`` beside
+it, and ``load_package`` reads them (memory-mapped, straight to the package's device) and hands them over.
+
 Why: ``torch._inductor.aoti_load_package`` asks Inductor for the host's "device information" before it
 builds the package loader, only to log a warning when it differs from the build machine's. That
 includes the CPU's vector instruction sets, found by compiling a test program with g++ for each
@@ -38,6 +41,7 @@ class CompiledModel:
 
     def __init__(self, loader: Any):
         self.loader = loader
+        self.constants: dict[str, torch.Tensor] = {}  # weights handed to a package built without them
         in_spec, out_spec = loader.get_call_spec()
         self._in = pytree.treespec_loads(in_spec)
         self._out = pytree.treespec_loads(out_spec)
@@ -61,14 +65,59 @@ def mismatches(metadata: dict[str, str], device_index: int = -1) -> list[str]:
             if key in metadata and metadata[key] != value]
 
 
+def weights_beside(path: str) -> str:
+    """Where a package built without its weights keeps them (``model.aoti.weights.safetensors``)."""
+    return (path[:-len(".pt2")] if path.endswith(".pt2") else path) + ".weights.safetensors"
+
+
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
+
+
+def read_weights(path: str, names: list[str], device: str) -> dict[str, torch.Tensor]:
+    """The tensors ``names`` of a safetensors file, memory-mapped and moved to ``device`` one at a time (only
+    torch is needed: a server may not have the safetensors package)."""
+    import json  # noqa: PLC0415 - only packages built without their weights need these
+    import mmap  # noqa: PLC0415
+    import struct  # noqa: PLC0415
+
+    with open(path, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(length))
+        mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)  # copy-on-write: writable tensors
+    start = 8 + length
+    missing = [name for name in names if name not in header]
+    if missing:
+        raise RuntimeError(f"{path} lacks the package's constant(s) {missing[:5]}")
+    out = {}
+    for name in names:
+        entry = header[name]
+        begin, end = entry["data_offsets"]
+        flat = torch.frombuffer(mapped, dtype=torch.uint8, count=end - begin, offset=start + begin)
+        tensor = flat.view(SAFETENSORS_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+        out[name] = tensor.to(device) if device != "cpu" else tensor
+    return out
+
+
 def load_package(path: str | os.PathLike, model_name: str = "model", device_index: int = -1) -> Any:
-    """The package at ``path`` (a file), ready to call."""
+    """The package at ``path`` (a file), ready to call. A package built without its weights gets them from the
+    safetensors file beside it (``weights_beside``), handed to the loader as they are (no copy is kept)."""
     path = os.fspath(path)
     try:
         cls: Any = torch._C._aoti.AOTIModelPackageLoader  # a private binding, typed loosely
-        for problem in mismatches(cls.load_metadata_from_package(path, model_name), device_index):
+        metadata = cls.load_metadata_from_package(path, model_name)
+        for problem in mismatches(metadata, device_index):
             log.warning("AOTInductor package built for another host (%s)", problem)
-        return CompiledModel(cls(path, model_name, False, 1, device_index))
+        model = CompiledModel(cls(path, model_name, False, 1, device_index))
+        weights = weights_beside(path)
+        if os.path.isfile(weights):
+            device = metadata.get("AOTI_DEVICE_KEY", "cpu")
+            if device != "cpu":
+                device = f"{device}:{device_index if device_index >= 0 else torch.cuda.current_device()}"
+            model.constants = read_weights(weights, list(model.loader.get_constant_fqns()), device)
+            model.loader.load_constants(model.constants, False, True, True)  # user-managed: used in place
+        return model
     except (AttributeError, TypeError) as exc:  # the private binding changed: the public loader, probe off
         log.warning("direct AOTInductor load unavailable (%r); using torch's loader", exc)
         import torch._inductor.config as config  # noqa: PLC0415 - the fallback only
@@ -78,4 +127,4 @@ def load_package(path: str | os.PathLike, model_name: str = "model", device_inde
             return torch_load_package(path, model_name, False, 1, device_index)
 
 
-__all__ = ["load_package", "CompiledModel", "mismatches"]
+__all__ = ["load_package", "CompiledModel", "mismatches", "weights_beside"]
