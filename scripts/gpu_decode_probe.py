@@ -64,16 +64,9 @@ def profile_step(call, steps: int = 10) -> dict:
 
 
 def graph_ms(make_call, tokens: int = 200) -> float:
-    call = make_call()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="relaxed"):
-        call()
+    from exporter.generation.bench import graph_of
+
+    graph = graph_of(make_call())
     for _ in range(10):
         graph.replay()
     torch.cuda.synchronize()

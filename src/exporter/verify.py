@@ -228,13 +228,19 @@ def compare_rerun(entry: dict[str, Any], runner, samples, references: list[list[
     return problems, count
 
 
+def _cannot_load_here(entry: dict[str, Any], result: VerifyResult) -> bool:
+    """Whether the artifact needs a device this machine lacks (recorded as a failed load)."""
+    problem = device_problem(entry["device"])
+    if problem:
+        result.checks.append(Check(entry["name"], "loads", False, problem, EXIT_ENVIRONMENT))
+        result.checks.append(Check(entry["name"], "numerics", None, "not run: the artifact could not be loaded here"))
+    return problem is not None
+
+
 def _rerun(out: Path, report: dict[str, Any], entry: dict[str, Any], samples, reference, result: VerifyResult,
            timeout_s: float) -> None:
     name = entry["name"]
-    problem = device_problem(entry["device"])
-    if problem:
-        result.checks.append(Check(name, "loads", False, problem, EXIT_ENVIRONMENT))
-        result.checks.append(Check(name, "numerics", None, "not run: the artifact could not be loaded here"))
+    if _cannot_load_here(entry, result):
         return
     if not (entry.get("numerics") or {}).get("checks"):
         result.checks.append(Check(name, "numerics", False, "report.json holds no per-sample bars for this artifact "
@@ -351,10 +357,7 @@ def _rerun_generation(out: Path, entry: dict[str, Any], result: VerifyResult, ti
     from .generation.run import run_session  # noqa: PLC0415
 
     name = entry["name"]
-    problem = device_problem(entry["device"])
-    if problem:
-        result.checks.append(Check(name, "loads", False, problem, EXIT_ENVIRONMENT))
-        result.checks.append(Check(name, "numerics", None, "not run: the artifact could not be loaded here"))
+    if _cannot_load_here(entry, result):
         return
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as scratch:
