@@ -64,9 +64,9 @@ def profile_step(call, steps: int = 10) -> dict:
 
 
 def graph_ms(make_call, tokens: int = 200) -> float:
-    from exporter.generation.bench import graph_of
+    from exporter.targets.aoti_loader import capture
 
-    graph = graph_of(make_call())
+    graph = capture(make_call())
     for _ in range(10):
         graph.replay()
     torch.cuda.synchronize()

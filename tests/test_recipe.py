@@ -76,6 +76,9 @@ def test_contradictions_are_rejected():
     with pytest.raises(RecipeError, match="reduce-overhead"):
         parse_recipe({"schema_version": 1, "targets": {"build": ["compile"], "compile_modes": ["reduce-overhead"]}},
                      "x", "x.toml")
+    with pytest.raises(RecipeError, match="targets.aoti_cuda_graph: a CUDA graph needs device 'cuda'"):
+        parse_recipe({"schema_version": 1, "targets": {"aoti_cuda_graph": True}}, "x", "x.toml")
+    assert load_recipe("h100-bf16").targets.aoti_cuda_graph and not load_recipe("cpu-fp32").targets.aoti_cuda_graph
 
 
 def test_unknown_name_suggests_close_ones():

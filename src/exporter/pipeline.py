@@ -164,9 +164,9 @@ class ConvertRun:
                 rewritten_result.notes.append("rewrite off: this is the model as written, the same module as eager")
             validation.judge(rewritten_result, rewritten_runner)
             live: dict[str, Any] = {"eager": eager, "rewritten": rewritten_runner}
-            # a compile variant compiles as it loads and is not on the grid: it is judged after the grid, so its
-            # compile overlaps the grid's work instead of holding it up
-            later = [r for r, _ in built if r.name in loading and r.target == "compile"]
+            # a compile variant compiles (a CUDA-graph variant captures) as it loads and is not on the grid: it is
+            # judged after the grid, so its compile overlaps the grid's work instead of holding it up
+            later = [r for r, _ in built if r.name in loading and r.static_shapes]
             for result, _ in built:
                 if result.name in loading and result not in later and validation.finish(result, loading[result.name]):
                     live[result.name] = loading[result.name]
@@ -175,7 +175,7 @@ class ConvertRun:
         program = ctx.program if ctx.decomposed is None else ctx.decomposed  # what the artifacts were built from
         grid = validation.grid(results, live, plan, program, self.staging, progress)
         if later:
-            with progress.stage("validate compile variants", ", ".join(r.name for r in later)):
+            with progress.stage("validate static variants", ", ".join(r.name for r in later)):
                 for result in later:
                     if validation.finish(result, loading[result.name]):
                         live[result.name] = loading[result.name]

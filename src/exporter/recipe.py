@@ -104,6 +104,7 @@ class TargetsSection:
     build: tuple[str, ...] = ("exported_program", "aoti", "onnx")
     compile_modes: tuple[str, ...] = ("default",)
     compile_dynamic: bool = False
+    aoti_cuda_graph: bool = False  # also time (and judge) the AOTI package replayed from a CUDA graph
     onnx_opset: int = 23
     onnx_dtype: str = "auto"
 
@@ -439,6 +440,7 @@ def parse_recipe(data: dict, name: str, source: str, problems: _Problems | None 
         build=_str_list(t, "build", dt.build, "targets", p),
         compile_modes=_str_list(t, "compile_modes", dt.compile_modes, "targets", p),
         compile_dynamic=_get(t, "compile_dynamic", bool, dt.compile_dynamic, "targets", p),
+        aoti_cuda_graph=_get(t, "aoti_cuda_graph", bool, dt.aoti_cuda_graph, "targets", p),
         onnx_opset=_get(t, "onnx_opset", int, dt.onnx_opset, "targets", p),
         onnx_dtype=_get(t, "onnx_dtype", str, dt.onnx_dtype, "targets", p),
     )
@@ -457,6 +459,8 @@ def parse_recipe(data: dict, name: str, source: str, problems: _Problems | None 
         for mode in targets.compile_modes:
             if "compile" in targets.build and mode == "reduce-overhead":
                 p.add("targets.compile_modes", "'reduce-overhead' captures CUDA graphs and needs device 'cuda'")
+        if targets.aoti_cuda_graph:
+            p.add("targets.aoti_cuda_graph", "a CUDA graph needs device 'cuda' (set it false on a CPU recipe)")
 
     t = table("inputs")
     di = InputsSection()

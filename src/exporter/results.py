@@ -33,6 +33,7 @@ class VariantResult:
     numerics: CandidateNumerics | None = None
     bench: dict[str, Any] | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    static_shapes: bool = False  # a benchmark variant (compile modes, a CUDA graph): judged at the samples only
 
     def fail(self, status: str, error: str) -> None:
         self.status = status

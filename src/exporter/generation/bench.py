@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import describe
+from ..targets.aoti_loader import capture
 from .driver import Prompt, Steps
 
 
@@ -64,23 +65,6 @@ def copy_bandwidth(device: str, megabytes: int = 1024) -> float | None:
     return 2 * src.numel() / (min(times) / 1e3)
 
 
-def graph_of(call: Callable[[], Any]) -> Any:
-    """``call`` captured in a CUDA graph, after three warm-up calls on a side stream. The capture is relaxed: an
-    AOTInductor container asks whether its last run's event has finished (``cudaEventQuery``) before each run,
-    which the default capture mode forbids ("operation failed due to a previous error during capture"). A
-    container whose run was captured cannot run outside the graph again: capture a second instance."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    cuda_graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(cuda_graph, capture_error_mode="relaxed"):
-        call()
-    return cuda_graph
-
-
 def time_steps(steps: Steps, prompt: Prompt, tokens: int, warmup: int, rounds: int, graph: bool) -> dict[str, Any]:
     """Prefill over ``prompt`` and ``tokens`` decode steps after it, each timed ``rounds`` times."""
     device, batch = steps.device, prompt.input_ids.shape[0]
@@ -106,7 +90,7 @@ def time_steps(steps: Steps, prompt: Prompt, tokens: int, warmup: int, rounds: i
         if graph and device.startswith("cuda"):
             try:
                 graphed = steps.fresh_decode() if steps.fresh_decode is not None else steps.decode
-                cuda_graph = graph_of(lambda: graphed(token, padding, where, kv))
+                cuda_graph = capture(lambda: graphed(token, padding, where, kv))
                 replayed = _stats(_median_ms(lambda: decode_all(cuda_graph.replay), device, 1, rounds), per=tokens)
                 out["decode_graph"] = {**replayed, "cuda_graph": True}
             except Exception as exc:  # timed without the graph; the reason is reported

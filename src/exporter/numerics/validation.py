@@ -53,7 +53,7 @@ PROGRAM_REPLAYED = {
 def not_on_grid(result: VariantResult) -> None:
     if result.numerics is not None:
         result.numerics.grid = {"checked": False, "passed": True, "points": [],
-                                "reason": "a benchmark variant (static shapes, no artifact): not on the grid"}
+                                "reason": "a benchmark variant (static shapes): not on the grid"}
 
 
 class Validation:
@@ -246,8 +246,9 @@ class Validation:
 
     def grid(self, results: list[VariantResult], live: dict[str, Any], plan: InputPlan, program, staging: Path,
              progress) -> GridPlan | None:
-        """The shape grid for every loaded candidate but the compile variants (benchmark variants with static
-        shapes). Returns the grid's plan (None without one); the run's warnings land in ``self.warnings``."""
+        """The shape grid for every loaded candidate but the static-shape benchmark variants (compile modes, the
+        AOTI package in a CUDA graph). Returns the grid's plan (None without one); the run's warnings land in
+        ``self.warnings``."""
         recipe = self.recipe
         grid = plan_grid(plan, recipe.numerics, recipe.inputs.seed)
         why_not = ("numerics.grid = false" if not recipe.numerics.grid
@@ -256,7 +257,7 @@ class Validation:
         for result in results:
             if result.name not in live or result.numerics is None:
                 continue
-            if result.target == "compile":
+            if result.static_shapes:
                 not_on_grid(result)
                 continue
             candidates.append((result, live[result.name]))

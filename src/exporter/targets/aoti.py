@@ -17,13 +17,14 @@ from typing import Any
 
 import torch
 import torch._inductor.config as inductor_config
+from safetensors.torch import load_file
 
 from ..attention_backend import backend_context
 from ..inputs import TORCH_DTYPES
 from ..measure.kernels import hook
 from ..outdir import save_named_tensors
 from . import aoti_loader
-from .aoti_loader import load_package
+from .aoti_loader import CudaGraphed, load_package
 from .exported_program import core_aten
 from .spec import BuildContext, Built, Loaded, RunnerSpec
 from .toolchain import aoti_preload
@@ -80,16 +81,63 @@ def build(ctx: BuildContext) -> list[Built]:
     if apart:
         notes.append(f"weights ({weights / 2**30:.1f} GiB) in {written[-1].name} beside the package, handed to it "
                      f"at load by {LOADER} (torch's own loader needs them inside)")
-    return [Built("aoti", "aoti", spec, path, [*written, loader], time.perf_counter() - t0, notes=notes,
-                  graph={"ld_preload": preload, "inductor_configs": configs})]
+    build_s = time.perf_counter() - t0
+    built = [Built("aoti", "aoti", spec, path, [*written, loader], build_s, notes=notes,
+                   graph={"ld_preload": preload, "inductor_configs": configs})]
+    if ctx.recipe.targets.aoti_cuda_graph and ctx.device.startswith("cuda"):
+        graphed = RunnerSpec(GRAPHED, "aoti", ctx.device, ctx.dtype, path=str(path), source=ctx.source,
+                             options=(("ld_preload", preload), ("cuda_graph", True)),
+                             attention_backend=ctx.recipe.runtime.attention_backend)
+        built.append(Built("aoti", GRAPHED, graphed, build_s=build_s, static_shapes=True, notes=[
+            f"the aoti package replayed from a CUDA graph ({LOADER}: CudaGraphed), captured at the samples' shapes: "
+            "a benchmark variant, judged at the samples, not on the grid; build time is the package's, the "
+            "capture is in its load time"]))
+    return built
+
+
+GRAPHED = "aoti:cuda-graph"
+MAX_GRAPHS = 4  # shapes one CUDA-graph variant captures (each holds an instance of the package on the GPU)
+
+
+def _as_list(out) -> list[torch.Tensor]:
+    return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
 def load(spec: RunnerSpec) -> Loaded:
+    if spec.option("cuda_graph"):
+        return _load_graphed(spec)
     runner = load_package(spec.file())
 
     def call(args):
-        out = runner(*args)
-        return list(out) if isinstance(out, (list, tuple)) else [out]
+        return _as_list(runner(*args))
 
-    hint = "an AOTInductor package records its SDPA calls only when compiled with cpp.enable_kernel_profile"
-    return Loaded(call, spec.device, TORCH_DTYPES[spec.dtype], hooks={"kernels": hook(spec.device, hint)})
+    return Loaded(call, spec.device, TORCH_DTYPES[spec.dtype], hooks={"kernels": hook(spec.device, HINT)})
+
+
+HINT = "an AOTInductor package records its SDPA calls only when compiled with cpp.enable_kernel_profile"
+
+
+def _load_graphed(spec: RunnerSpec) -> Loaded:
+    """The package replayed from CUDA graphs, one per input shape it is called with (at most ``MAX_GRAPHS``),
+    the first captured at load on the stored sample 0 (the capture is part of the load time)."""
+    path = spec.file()
+    graphs: dict[tuple, CudaGraphed] = {}
+    info: dict[str, Any] = {"cuda_graph": True, "captured": []}
+
+    def call(args):
+        key = tuple((tuple(t.shape), t.dtype) for t in args)
+        graphed = graphs.get(key)
+        if graphed is None:
+            if len(graphs) >= MAX_GRAPHS:
+                raise RuntimeError(f"{GRAPHED} holds {MAX_GRAPHS} captured shapes already: it is a static-shape "
+                                   "variant")
+            graphed = graphs[key] = CudaGraphed(path, args)
+            info["captured"].append([list(shape) for shape, _ in key])
+        return _as_list(graphed(*args))
+
+    source, dtype = spec.model_source(), TORCH_DTYPES[spec.dtype]
+    stored = load_file(source.example_file)
+    example = [stored[f"0.{name}"] for name in source.inputs]
+    with torch.inference_mode():
+        call([(t.to(dtype) if t.is_floating_point() else t).to(spec.device) for t in example])
+    return Loaded(call, spec.device, TORCH_DTYPES[spec.dtype], info, hooks={"kernels": hook(spec.device, HINT)})

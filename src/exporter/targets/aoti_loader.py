@@ -7,6 +7,13 @@ builds (``aoti_loader.py``), so a server can load the package the same way::
     model = load_package("model.aoti.pt2")
     outputs = model(input_ids, attention_mask)
 
+For inputs of one shape, ``CudaGraphed`` replays the package from a CUDA graph (no launch overhead per
+kernel: what a small batch needs)::
+
+    from aoti_loader import CudaGraphed
+    graphed = CudaGraphed("model.aoti.pt2", [input_ids, attention_mask])  # captured at these shapes
+    outputs = graphed(input_ids, attention_mask)  # copied into the graph's inputs, replayed
+
 A large model's package is built without its weights; they are in ``model.aoti.weights.safetensors`` beside
 it, and ``load_package`` reads them (memory-mapped, straight to the package's device) and hands them over.
 
@@ -127,4 +134,57 @@ def load_package(path: str | os.PathLike, model_name: str = "model", device_inde
             return torch_load_package(path, model_name, False, 1, device_index)
 
 
-__all__ = ["load_package", "CompiledModel", "mismatches", "weights_beside"]
+def capture(call: Any) -> Any:
+    """``call`` captured in a ``torch.cuda.CUDAGraph``, after three warm-up calls on a side stream.
+
+    The capture is relaxed: an AOTInductor container asks whether its previous run's event has finished
+    (``cudaEventQuery``) before each run, which the default capture mode forbids ("operation failed due to a
+    previous error during capture"). A container whose run was captured cannot run outside the graph again:
+    capture an instance of its own (``CudaGraphed`` does)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="relaxed"):
+        call()
+    return graph
+
+
+class CudaGraphed:
+    """A package replayed from a CUDA graph, for inputs of the shapes and dtypes of ``example_inputs``.
+
+    It loads its own instance of the package (``load_package``; a captured container runs only inside its
+    graph), copies ``example_inputs`` into fixed input buffers and captures one run. A call copies its inputs
+    into those buffers and replays: every kernel of the package in one launch. The outputs it returns are the
+    graph's own buffers, overwritten by the next call (as ``torch.compile(mode="reduce-overhead")``'s are):
+    clone what must outlive it. Inputs of another shape or dtype are refused (capture another instance)."""
+
+    def __init__(self, path: str | os.PathLike, example_inputs: list[torch.Tensor], device_index: int = -1):
+        self.model = load_package(path, device_index=device_index)
+        device = torch.device("cuda", device_index) if device_index >= 0 else torch.device("cuda")
+        self.inputs = [t.detach().to(device).clone() for t in example_inputs]
+        self.outputs: Any = None
+
+        def run() -> None:
+            self.outputs = self.model(*self.inputs)
+
+        self.graph = capture(run)
+
+    def signature(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        return [(tuple(t.shape), t.dtype) for t in self.inputs]
+
+    def __call__(self, *args: torch.Tensor) -> Any:
+        given = [(tuple(t.shape), t.dtype) for t in args]
+        if given != self.signature():
+            raise ValueError(f"this CUDA graph was captured for inputs {self.signature()}, got {given}: "
+                             "capture another CudaGraphed for these shapes")
+        for buffer, value in zip(self.inputs, args):
+            buffer.copy_(value, non_blocking=True)
+        self.graph.replay()
+        return self.outputs
+
+
+__all__ = ["load_package", "CompiledModel", "CudaGraphed", "capture", "mismatches", "weights_beside"]

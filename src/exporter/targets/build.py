@@ -103,7 +103,8 @@ def _build_one(target: Target, ctx: BuildContext, progress,
         pairs.append((VariantResult(
             name, item.name, path=item.path.relative_to(ctx.staging) if item.path else None,
             files=[file_entry(p, ctx.staging) for p in item.files], build_s=item.build_s, notes=list(item.notes),
-            graph=dict(item.graph), device=spec.device if spec else None, dtype=spec.dtype if spec else None),
+            graph=dict(item.graph), device=spec.device if spec else None, dtype=spec.dtype if spec else None,
+            static_shapes=item.static_shapes),
             spec))
     return pairs
 

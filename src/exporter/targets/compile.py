@@ -27,7 +27,8 @@ def build(ctx: BuildContext) -> list[Built]:
         spec = RunnerSpec(name, "compile", ctx.device, ctx.dtype, source=ctx.source,
                           options=(("mode", mode), ("dynamic", ctx.recipe.targets.compile_dynamic)),
                           attention_backend=ctx.recipe.runtime.attention_backend)
-        built.append(Built("compile", name, spec, notes=["no file: a benchmark variant; build time is the first call"]))
+        built.append(Built("compile", name, spec, notes=["no file: a benchmark variant; build time is the first call"],
+                           static_shapes=True))
     return built
 
 

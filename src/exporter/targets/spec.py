@@ -134,6 +134,7 @@ class Built:
     build_s: float = 0.0
     notes: list[str] = field(default_factory=list)
     graph: dict[str, Any] = field(default_factory=dict)
+    static_shapes: bool = False  # a benchmark variant that runs the shapes it was captured at: not on the grid
 
 
 @dataclass(frozen=True)
