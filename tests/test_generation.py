@@ -54,8 +54,33 @@ def test_llama_prefill_and_decode_match_the_float64_reference(llama_generation):
             assert timing["decode"]["median_ms"] > 0 and timing["prefill"]["median_ms"] > 0
     assert len(report["attention"]["sites"]) == 2
     files = {f["path"] for a in report["artifacts"] for f in a["files"]}
-    assert {"prefill.pt2", "decode.pt2", "prefill.aoti.pt2", "decode.aoti.pt2", "aoti_loader.py"} <= files
+    assert {"prefill.pt2", "decode.pt2", "prefill.aoti.pt2", "decode.aoti.pt2", "aoti_loader.py",
+            "generation.aoti.weights.safetensors"} <= files
     assert "Numerics" in (llama_generation.out / "report.md").read_text()
+
+
+def test_the_aoti_programs_share_one_copy_of_the_weights(llama_generation):
+    from pathlib import Path
+
+    from exporter.generation.cache import CacheLayout
+    from exporter.generation.programs import FILES, WEIGHTS, load_steps
+    from exporter.targets.aoti_loader import weights_beside
+
+    out = llama_generation.out
+    packages = [out / name for name in FILES["aoti"]]
+    assert not any(Path(weights_beside(str(p))).exists() for p in packages)  # no weights file per program
+    with open(out / WEIGHTS, "rb") as handle:  # the shared file holds every weight of the model once
+        header = json.loads(handle.read(int.from_bytes(handle.read(8), "little")))
+    params = {k for k in header if k != "__metadata__"}
+    assert any(name.endswith("embed_tokens.weight") for name in params)
+    setup = json.loads((out / "generation.json").read_text())
+    steps = load_steps("aoti", out, CacheLayout.from_dict(setup["layout"]), setup["cache_length"], torch.float32,
+                       "cpu")
+    prefill, decode, fresh = steps.prefill.constants, steps.decode.constants, steps.fresh_decode().constants
+    shared = set(prefill) & set(decode)
+    assert shared and set(prefill) | set(decode) <= params
+    # the decode programs use the prefill's tensors themselves: one copy of the weights in memory
+    assert all(decode[n].data_ptr() == prefill[n].data_ptr() == fresh[n].data_ptr() for n in shared)
 
 
 def test_generate_prints_the_reference_tokens(llama_generation):

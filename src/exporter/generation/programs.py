@@ -6,7 +6,10 @@ The cache tensors are program inputs mutated in place, so the two programs share
 passes. Files per target:
 
 - ``exported_program``: ``prefill.pt2`` and ``decode.pt2`` (core ATen, SDPA kept as one node);
-- ``aoti``: ``prefill.aoti.pt2`` and ``decode.aoti.pt2``, with ``aoti_loader.py`` beside them.
+- ``aoti``: ``prefill.aoti.pt2`` and ``decode.aoti.pt2``, both built without their weights, which are written
+  once in ``generation.aoti.weights.safetensors`` and handed to both at load (``aoti_loader.load_package``'s
+  ``weights`` and ``constants``): one copy of the weights on disk and on the device, not one per program;
+  ``aoti_loader.py`` is beside them.
 
 ONNX has no in-place input updates: a past-key-values ONNX export would return the whole cache from every
 step; it is not built here and the report says so. ``load_steps`` loads a target's two programs back.
@@ -37,6 +40,7 @@ NOT_BUILT = {
                "this run times",
 }
 FILES = {"exported_program": ("prefill.pt2", "decode.pt2"), "aoti": ("prefill.aoti.pt2", "decode.aoti.pt2")}
+WEIGHTS = "generation.aoti.weights.safetensors"  # the weights of both AOTI programs, once
 
 
 @dataclass
@@ -108,18 +112,37 @@ def build(target: str, exported: Exported, staging: Path, device: str, attention
         return [prefill_file, decode_file]
     import torch._inductor.config as inductor_config  # noqa: PLC0415
 
+    from ..outdir import save_named_tensors  # noqa: PLC0415
     from ..targets import aoti_loader  # noqa: PLC0415
-    from ..targets.aoti import LOADER  # noqa: PLC0415
+    from ..targets.aoti import LOADER, program_tensors  # noqa: PLC0415
 
+    tensors = shared_tensors(program_tensors(exported.prefill), program_tensors(exported.decode))
     with contextlib.ExitStack() as stack:
         stack.enter_context(backend_context(attention_backend, device))
         if device != "cpu":
             stack.enter_context(inductor_config.patch({"cpp.vec_isa_ok": False}))
+        configs = {"aot_inductor.package_constants_in_so": False}
         for program, path in ((exported.prefill, prefill_file), (exported.decode, decode_file)):
-            torch._inductor.aoti_compile_and_package(program, package_path=str(path))
+            torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=configs)
+    weights = staging / WEIGHTS
+    save_named_tensors(weights, tensors)
     loader = staging / LOADER
     shutil.copyfile(aoti_loader.__file__, loader)
-    return [prefill_file, decode_file, loader]
+    return [prefill_file, decode_file, weights, loader]
+
+
+def shared_tensors(prefill: list[tuple[str, torch.Tensor]],
+                   decode: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """The constants of both programs, each name once. Both come from one module, so a name they share is one
+    weight; one that differed between them (a constant traced differently) could not be shared, and is refused."""
+    merged = dict(prefill)
+    for name, tensor in decode:
+        mine = merged.setdefault(name, tensor)
+        if mine is not tensor and (mine.shape != tensor.shape or mine.dtype != tensor.dtype
+                                   or not torch.equal(mine, tensor)):
+            raise RuntimeError(f"the prefill and decode programs hold different values for constant {name!r}: "
+                               "their weights cannot be shared")
+    return sorted(merged.items())
 
 
 def load_steps(target: str, folder: Path, layout: CacheLayout, cache_length: int, dtype: torch.dtype,
@@ -133,8 +156,10 @@ def load_steps(target: str, folder: Path, layout: CacheLayout, cache_length: int
     elif target == "aoti":
         from ..targets.aoti_loader import load_package  # noqa: PLC0415
 
-        prefill, decode = load_package(prefill_file), load_package(decode_file)
-        fresh = lambda: load_package(decode_file)  # noqa: E731
+        weights = str(folder / WEIGHTS)
+        prefill = load_package(prefill_file, weights=weights)
+        decode = load_package(decode_file, weights=weights, constants=prefill.constants)
+        fresh = lambda: load_package(decode_file, weights=weights, constants=prefill.constants)  # noqa: E731
     else:
         raise ValueError(f"no generation programs for target {target!r}")
     return Steps(prefill, decode, layout, cache_length, dtype, device, fresh)

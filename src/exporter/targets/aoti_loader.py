@@ -14,6 +14,12 @@ kernel: what a small batch needs)::
     graphed = CudaGraphed("model.aoti.pt2", [input_ids, attention_mask])  # captured at these shapes
     outputs = graphed(input_ids, attention_mask)  # copied into the graph's inputs, replayed
 
+A prefill and a decode package of one decoder share one weights file and one copy of the weights::
+
+    prefill = load_package("prefill.aoti.pt2", weights="generation.aoti.weights.safetensors")
+    decode = load_package("decode.aoti.pt2", weights="generation.aoti.weights.safetensors",
+                          constants=prefill.constants)
+
 A large model's package is built without its weights; they are in ``model.aoti.weights.safetensors`` beside
 it, and ``load_package`` reads them (memory-mapped, straight to the package's device) and hands them over.
 
@@ -107,9 +113,13 @@ def read_weights(path: str, names: list[str], device: str) -> dict[str, torch.Te
     return out
 
 
-def load_package(path: str | os.PathLike, model_name: str = "model", device_index: int = -1) -> Any:
-    """The package at ``path`` (a file), ready to call. A package built without its weights gets them from the
-    safetensors file beside it (``weights_beside``), handed to the loader as they are (no copy is kept)."""
+def load_package(path: str | os.PathLike, model_name: str = "model", device_index: int = -1,
+                 weights: str | os.PathLike | None = None, constants: dict[str, torch.Tensor] | None = None) -> Any:
+    """The package at ``path`` (a file), ready to call. A package built without its weights gets them from
+    ``weights`` (a safetensors file; by default the one beside it, ``weights_beside``), handed to the loader as
+    they are (no copy is kept). ``constants``: tensors already on the device, by name, used in place of reading
+    them (another package's ``.constants``: two packages of one model, a prefill and a decode step, then share
+    one copy of the weights)."""
     path = os.fspath(path)
     try:
         cls: Any = torch._C._aoti.AOTIModelPackageLoader  # a private binding, typed loosely
@@ -117,12 +127,15 @@ def load_package(path: str | os.PathLike, model_name: str = "model", device_inde
         for problem in mismatches(metadata, device_index):
             log.warning("AOTInductor package built for another host (%s)", problem)
         model = CompiledModel(cls(path, model_name, False, 1, device_index))
-        weights = weights_beside(path)
-        if os.path.isfile(weights):
+        file = os.fspath(weights) if weights is not None else weights_beside(path)
+        if os.path.isfile(file) or constants:
             device = metadata.get("AOTI_DEVICE_KEY", "cpu")
             if device != "cpu":
                 device = f"{device}:{device_index if device_index >= 0 else torch.cuda.current_device()}"
-            model.constants = read_weights(weights, list(model.loader.get_constant_fqns()), device)
+            names = list(model.loader.get_constant_fqns())
+            given = {name: constants[name] for name in names if constants and name in constants}
+            missing = [name for name in names if name not in given]
+            model.constants = {**given, **(read_weights(file, missing, device) if missing else {})}
             model.loader.load_constants(model.constants, False, True, True)  # user-managed: used in place
         return model
     except (AttributeError, TypeError) as exc:  # the private binding changed: the public loader, probe off
