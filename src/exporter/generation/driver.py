@@ -40,6 +40,11 @@ class Prompt:
     def length(self) -> int:
         return int(self.input_ids.shape[1])
 
+    def row(self, index: int) -> "Prompt":
+        """Row ``index`` alone, its padding removed (a batch-1 prompt)."""
+        keep = self.mask[index].bool()
+        return Prompt(self.input_ids[index:index + 1, keep], self.mask[index:index + 1, keep])
+
     def padding(self, cache_length: int) -> torch.Tensor:
         """The step's ``padding_mask`` over every cache slot: the prompt's, then 1 for every slot after it."""
         batch = self.input_ids.shape[0]

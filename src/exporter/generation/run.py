@@ -186,7 +186,7 @@ def convert_generation(checkpoint: Path, recipe: Recipe, staging: Path, allow_dr
 
         steps_local = Steps(step, step, layout, gen.max_cache_len, dtype, device)
         with progress.stage("validate rewritten", "the rewritten model on the static cache, not exported"):
-            forced_picks, logits = generate(steps_local, prompt, gen.new_tokens, forced=ref_tokens)
+            _, logits = generate(steps_local, prompt, gen.new_tokens, forced=ref_tokens)
             free, _ = generate(steps_local, prompt, gen.new_tokens, keep_logits=False)
             verdict = judge_steps("rewritten", ref_logits, ref_tokens, logits, free, bars, k, recipe.numerics.atol)
             rewritten: dict[str, Any] = {"name": "rewritten", "status": "ok", "numerics": verdict}
@@ -241,7 +241,7 @@ def convert_generation(checkpoint: Path, recipe: Recipe, staging: Path, allow_dr
 
     with progress.stage("benchmark eager"):
         eager_bench: dict[str, Any] = {}
-        first = Prompt(prompt.input_ids[:1, prompt.mask[0].bool()], prompt.mask[:1, prompt.mask[0].bool()])
+        first = prompt.row(0)
         if transformers:
             for label, which in (("batch_1", first), ("batch", prompt)):
                 eager_bench[label] = bench.time_eager_generate(model, which, gen.bench_tokens, device,

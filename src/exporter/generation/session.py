@@ -79,7 +79,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
 def time_target(steps, prompt: Prompt, timing: dict[str, Any]) -> dict[str, Any]:
     """At batch 1 (the prompt's first row, unpadded) and at the recipe's batch."""
     out: dict[str, Any] = {}
-    first = Prompt(prompt.input_ids[:1, prompt.mask[0].bool()], prompt.mask[:1, prompt.mask[0].bool()])
+    first = prompt.row(0)
     for label, which in (("batch_1", first), ("batch", prompt)):
         timed = bench.time_steps(steps, which, timing["tokens"], timing["warmup"], timing["rounds"],
                                  graph=timing["cuda_graph"])
