@@ -119,20 +119,29 @@ class Accumulator:
             return
         r = ref.to(torch.float64)
         c = flat.to(ref.device, torch.float64)
-        judged = torch.isfinite(r)  # where the reference is NaN/Inf nothing can be judged: counted, not summed
-        self.ref_nonfinite += (~judged).sum()
-        self.nonfinite += (judged & ~torch.isfinite(c)).sum()
-        if not bool(judged.all()):
+        if not c.numel():
+            return
+        # One pass per sum (dot products: no temporary), and the masks only where something is not finite: the
+        # sums of squares are finite exactly when both chunks are (float64 squares of float values stay finite).
+        r2, c2 = torch.dot(r, r), torch.dot(c, c)
+        if not bool(torch.isfinite(r2 + c2)):
+            judged = torch.isfinite(r)  # where the reference is NaN/Inf nothing can be judged: counted, not summed
+            self.ref_nonfinite += (~judged).sum()
+            self.nonfinite += (judged & ~torch.isfinite(c)).sum()
             r, c = r[judged], c[judged]
+            if not r.numel():
+                return
+            r2, c2 = torch.dot(r, r), torch.dot(c, c)
         d = c - r
-        self.sq += (d * d).sum()
-        self.r2 += (r * r).sum()
-        self.c2 += (c * c).sum()
-        self.dot += (r * c).sum()
-        if d.numel():
-            a = d.abs()
-            self.max_abs = torch.maximum(self.max_abs, a.max())
-            self.max_rel = torch.maximum(self.max_rel, (a / r.abs().clamp_min(1e-12)).max())
+        self.sq += torch.dot(d, d)
+        self.r2 += r2
+        self.c2 += c2
+        self.dot += torch.dot(r, c)
+        low, high = torch.aminmax(d)
+        self.max_abs = torch.maximum(self.max_abs, torch.maximum(-low, high))
+        d.div_(r.abs().clamp_min_(1e-12))  # the relative error, in d's own memory
+        low, high = torch.aminmax(d)
+        self.max_rel = torch.maximum(self.max_rel, torch.maximum(-low, high))
 
     @property
     def complete(self) -> bool:
