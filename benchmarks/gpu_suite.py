@@ -412,6 +412,30 @@ class Loaded:
     aoti: Any  # the AOTInductor package loaded (aoti_loader.load_package), or None
     package: str | None  # its path
     artifacts: dict[str, dict[str, Any]]  # the convert's report, by artifact name
+    experiments: dict[str, tuple[Any, float]] = field(default_factory=dict)  # name -> (package, build s)
+
+
+def attention_experiments(program_path: Path, work: Path, device: str, backends: list[str]):
+    """The convert's exported program compiled again to an AOTInductor package with each of ``backends`` first
+    in SDPA's priority (``runtime.attention_backend``): which backend the package should bake in. Timed beside
+    the convert's own package, outside the verdicts (group ``experiment``)."""
+    import torch._inductor.config as inductor_config
+
+    from exporter.attention_backend import backend_context
+    from exporter.targets.aoti_loader import load_package
+
+    built: dict[str, tuple[Any, float]] = {}
+    errors: dict[str, str] = {}
+    for backend in backends:
+        t0 = time.perf_counter()
+        try:
+            program = torch.export.load(str(program_path))
+            with backend_context(backend, device), inductor_config.patch({"cpp.vec_isa_ok": False}):
+                path = torch._inductor.aoti_compile_and_package(program, package_path=str(work / f"aoti-{backend}.pt2"))
+            built[f"exporter aoti, {backend} first"] = (load_package(path), time.perf_counter() - t0)
+        except Exception as exc:  # noqa: BLE001 - an experiment that cannot build is reported, not fatal
+            errors[backend] = f"{type(exc).__name__}: {exc}"[:300]
+    return built, errors
 
 
 def row_variants(loaded: Loaded, row: Row, kwargs: dict[str, torch.Tensor], extra: dict[str, Any],
@@ -446,12 +470,15 @@ def row_variants(loaded: Loaded, row: Row, kwargs: dict[str, torch.Tensor], extr
                 return lambda: g(*args)
             variants.append(Variant("exporter aoti + CUDA graph", "exporter", graphed, device,
                                     note="aoti_loader.CudaGraphed"))
+    for name, (package, build_s) in loaded.experiments.items():
+        variants.append(Variant(name, "experiment", lambda p=package: lambda: p(*args), device, build_s,
+                                note="the exported program compiled again with this SDPA backend first"))
     return variants
 
 
 def time_model(model: Model, checkpoint: Path, convert_dir: Path, convert: dict[str, Any], device: str,
                hand_modes: list[str], tiny: bool, settings: dict[str, int], hand_originals: list[str],
-               on_row: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
+               experiment_backends: list[str], on_row: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
     """Every row of ``model``: the variants timed interleaved, their figures, and the attention comparison."""
     from exporter.prepare import from_source, place
     from exporter.targets.aoti_loader import load_package
@@ -489,7 +516,12 @@ def time_model(model: Model, checkpoint: Path, convert_dir: Path, convert: dict[
     # at batch 1 only the model a user would compile there: transformers' SDPA attention (else the model itself)
     small = "sdpa" if "sdpa" in originals else "eager"
     rows_out = []
-    loaded = Loaded(originals, compiled, program, exported, package, artifacts)
+    experiments, experiment_errors = {}, {}
+    if device.startswith("cuda") and program is not None and experiment_backends:
+        print(f"   attention experiments: {', '.join(experiment_backends)}", flush=True)
+        experiments, experiment_errors = attention_experiments(
+            convert_dir / artifacts["exported_program"]["path"], convert_dir.parent, device, experiment_backends)
+    loaded = Loaded(originals, compiled, program, exported, package, artifacts, experiments)
     for row in model.rows:
         kwargs = make_inputs(names, row, vocab, image, device)
         args = [kwargs[n] for n in names]
@@ -522,6 +554,8 @@ def time_model(model: Model, checkpoint: Path, convert_dir: Path, convert: dict[
                 {"note": "measured on CUDA only"}
             if rewrite_error:
                 attention["rewritten_error"] = rewrite_error
+            if experiment_errors:
+                attention["experiment_errors"] = experiment_errors
         rows_out.append({"row": row.label, "sizes": row.sizes, "flops": flops, "variants": entries,
                          "attention": attention})
         on_row(rows_out)
@@ -560,6 +594,12 @@ def attention_section(variants: list[Variant], rewritten, args, device: str) -> 
             out["artifact"] = {"attention_ms": inside, "backends": counts,
                                "kernels_ms": sum(t for _, t in kernels) / 1e3,
                                "top": top}
+        for v in variants:
+            if v.group == "experiment" and v.call is not None:
+                kernels, _ = device_kernels(v.call)
+                inside, counts = attention_ms(kernels)
+                out.setdefault("experiments", {})[v.name] = {"attention_ms": inside, "backends": counts,
+                                                             "kernels_ms": sum(t for _, t in kernels) / 1e3}
         if rewritten is not None:
             alone = sdpa_alone(record_sdpa(rewritten, args), device)
             out["alone"] = alone
@@ -652,7 +692,8 @@ def environment() -> dict[str, Any]:
 
 
 def run(names: list[str], out: Path, work: Path, tiny: bool, device: str, hand_modes: list[str],
-        timeout_s: int, settings: dict[str, int], targets: list[str], hand_originals: list[str]) -> None:
+        timeout_s: int, settings: dict[str, int], targets: list[str], hand_originals: list[str],
+        experiment_backends: list[str]) -> None:
     recipe = "h100-bf16" if device.startswith("cuda") else "cpu-fp32"
     catalogue = models(tiny)
     out.mkdir(parents=True, exist_ok=True)
@@ -682,7 +723,7 @@ def run(names: list[str], out: Path, work: Path, tiny: bool, device: str, hand_m
         save([])
         try:
             result["rows"] = time_model(model, checkpoint, convert_dir, result["convert"], device, hand_modes, tiny,
-                                        settings, hand_originals, save)
+                                        settings, hand_originals, experiment_backends, save)
         except Exception as exc:  # noqa: BLE001 - what was measured is still written
             result["error"] = f"{type(exc).__name__}: {exc}"[:500]
             result["rows"] = []
@@ -747,6 +788,12 @@ def attention_lines(row: dict[str, Any]) -> list[str]:
                      f"(best {fmt(best_alone, '.3f')} ms) = {fmt(a.get('fraction_of_best'), '.0%')} of the best.")
         top = ", ".join(f"{t['name'][:60]} {t['share']:.0%}" for t in art.get("top", [])[:5])
         lines.append(f"- Top kernels of the AOTI package: {top}")
+    for name, e in (a.get("experiments") or {}).items():
+        lines.append(f"- {name}: SDPA kernels {e['attention_ms']:.3f} ms per forward pass "
+                     f"({', '.join(f'{k} ×{n}' for k, n in e['backends'].items()) or 'no fused kernel'}) of "
+                     f"{e['kernels_ms']:.2f} ms of kernels.")
+    for backend, error in (a.get("experiment_errors") or {}).items():
+        lines.append(f"- The package with {backend} first could not be built: {error}")
     if a.get("hand_compile"):
         h = a["hand_compile"]
         lines.append(f"- `torch.compile(max-autotune)` of the model as written: fused attention kernels "
@@ -829,6 +876,9 @@ def main() -> int:
                         help="the convert's targets (default: every artifact target of the recipe, not compile)")
     parser.add_argument("--hand-originals", default="",
                         help="compile by hand only these of eager,sdpa (default: both; a smaller run)")
+    parser.add_argument("--experiments", default="flash",
+                        help="SDPA backends to build an extra AOTI package with, first in priority (CUDA only; "
+                        "'' for none)")
     parser.add_argument("--timeout", type=int, default=400, help="limit of each convert, seconds")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iterations", type=int, default=20)
@@ -855,7 +905,8 @@ def main() -> int:
     modes = [m for m in (args.hand_modes or default_modes).split(",") if m]
     run(args.models, args.out, args.work, args.tiny, device, modes, args.timeout,
         {"warmup": args.warmup, "rounds": args.rounds, "iterations": args.iterations},
-        [t for t in targets.split(",") if t], [h for h in args.hand_originals.split(",") if h])
+        [t for t in targets.split(",") if t], [h for h in args.hand_originals.split(",") if h],
+        [b for b in args.experiments.split(",") if b])
     return 0
 
 

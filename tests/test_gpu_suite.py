@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -37,6 +38,19 @@ def test_a_tiny_run_times_every_variant_and_writes_the_document(tmp_path):
     # batch 1 compiles only the model a user would compile there (transformers' SDPA attention)
     small = {v["name"] for v in result["rows"][1]["variants"]}
     assert not any(name.startswith("compile") for name in small)
+    # the attention experiment (on CUDA: the package rebuilt with a backend first) builds from the convert's
+    # exported program and computes what the convert's package computes
+    converted = tmp_path / "work" / "bert" / "converted"
+    built, errors = gpu_suite.attention_experiments(converted / "model.pt2", tmp_path, "cpu", ["flash"])
+    assert not errors and list(built) == ["exporter aoti, flash first"]
+    from safetensors.torch import load_file
+
+    from exporter.targets.aoti_loader import load_package
+
+    stored = load_file(converted / "reference" / "inputs.safetensors")
+    args = [stored[f"0.{name}"] for name in result["convert"]["inputs"]]
+    again, original = built["exporter aoti, flash first"][0](*args), load_package(converted / "model.aoti.pt2")(*args)
+    torch.testing.assert_close(gpu_suite.first_tensor(again), gpu_suite.first_tensor(original))
     doc = tmp_path / "BENCHMARKS.md"
     gpu_suite.write_doc([out / "bert.json"], doc)
     text = doc.read_text()
