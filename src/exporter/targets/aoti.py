@@ -84,7 +84,11 @@ def build(ctx: BuildContext) -> list[Built]:
     build_s = time.perf_counter() - t0
     built = [Built("aoti", "aoti", spec, path, [*written, loader], build_s, notes=notes,
                    graph={"ld_preload": preload, "inductor_configs": configs})]
-    if ctx.recipe.targets.aoti_cuda_graph and ctx.device.startswith("cuda"):
+    if ctx.recipe.targets.aoti_cuda_graph and ctx.device.startswith("cuda") and apart:
+        notes.append(f"{GRAPHED} not built: {weights / 2**30:.1f} GiB of weights (over "
+                     f"{weights_apart_above() / 2**30:.0f} GiB) would be loaded again by its own process, and a "
+                     "model this size spends its time in kernels, not in launching them")
+    elif ctx.recipe.targets.aoti_cuda_graph and ctx.device.startswith("cuda"):
         graphed = RunnerSpec(GRAPHED, "aoti", ctx.device, ctx.dtype, path=str(path), source=ctx.source,
                              options=(("ld_preload", preload), ("cuda_graph", True)),
                              attention_backend=ctx.recipe.runtime.attention_backend)
