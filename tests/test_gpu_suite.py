@@ -57,22 +57,25 @@ def test_a_tiny_run_times_every_variant_and_writes_the_document(tmp_path):
     assert "BERT (tiny)" in text and "| bert | 4 × 32 | best artifact" in text and "exporter aoti" in text
 
 
-def _row(batch: int, ours_ms: float, hand_ms: float, attention: dict | None = None) -> dict:
+def _row(batch: int, ours_ms: float, hand_ms: float, attention: dict | None = None, sdpa_ms: float = 9.0) -> dict:
     return {"row": "r", "sizes": {"batch": batch}, "attention": attention or {}, "variants": [
         {"name": "eager", "group": "baseline", "median_ms": 10.0},
-        {"name": "sdpa eager", "group": "by hand", "median_ms": 1.0},  # not a compile: never the bar
+        {"name": "sdpa eager", "group": "by hand", "median_ms": sdpa_ms},
         {"name": "sdpa + compile max-autotune", "group": "by hand", "median_ms": hand_ms},
         {"name": "exporter aoti", "group": "exporter", "median_ms": ours_ms, "tflops": 500.0, "utilisation": 0.63},
     ]}
 
 
-def test_verdicts_hold_the_best_artifact_against_the_best_hand_compile():
+def test_verdicts_hold_the_best_artifact_against_the_best_done_by_hand():
     model = {"environment": {"gpu": "NVIDIA H200"}, "handwritten_attention": False}
     met = {v["target"]: v["met"] for v in gpu_suite.verdicts(model, _row(8, 4.0, 5.0))}
-    assert met["best artifact ≥ 1× the best hand-tuned compile"] is True
+    assert met["best artifact ≥ 1× the best done by hand"] is True
     assert met["large batch ≥ 60% of the bf16 peak"] is True
     missed = {v["target"]: v["met"] for v in gpu_suite.verdicts(model, _row(8, 5.5, 5.0))}
-    assert missed["best artifact ≥ 1× the best hand-tuned compile"] is False
+    assert missed["best artifact ≥ 1× the best done by hand"] is False
+    # where transformers' SDPA in eager mode beats every compile (ViT), it is the bar
+    judged = gpu_suite.verdicts(model, _row(8, 4.0, 5.0, sdpa_ms=3.0))[0]
+    assert judged["met"] is False and "sdpa eager 3 ms" in judged["measured"]
     # hand-written attention that the compile did not fuse raises the bar to 1.3x
     hand = {**model, "handwritten_attention": True}
     unfused = {"hand_compile": {"fused_attention": False}}
@@ -89,3 +92,24 @@ def test_attention_is_not_compared_where_a_lone_call_is_its_launch():
     large = {"artifact": {"attention_ms": 1.38, "backends": {"cudnn": 12}}, "alone": {"best_ms": 1.08},
              "fraction_of_best": 1.08 / 1.38}
     assert gpu_suite.verdicts(model, _row(8, 5.8, 5.9, large))[-1]["met"] is False
+
+
+def test_attention_that_ran_decomposed_in_the_artifact_misses_however_fast_its_fused_part():
+    model = {"environment": {"gpu": "NVIDIA H200"}, "handwritten_attention": False}
+    partly = {"artifact": {"attention_ms": 0.5, "backends": {"cudnn": 1}},
+              "alone": {"best_ms": 2.0, "best_kernel_ms": 2.0, "calls": [{"count": 12}]}, "fraction_of_best": 4.0}
+    verdict = gpu_suite.verdicts(model, _row(8, 5.8, 5.9, partly))[-1]
+    assert verdict["met"] is False and "1 fused attention kernels for 12 SDPA calls" in verdict["measured"]
+
+
+def test_a_variant_set_aside_after_the_run_is_marked_and_not_the_bar():
+    model = {"environment": {"gpu": "NVIDIA H200"}, "handwritten_attention": False,
+             "annotations": {"set_aside": ["sdpa + compile max-autotune"], "why": "it traced another model"}}
+    judged = gpu_suite.verdicts(model, _row(8, 4.0, 1.0))[0]
+    assert judged["met"] is None and "set aside" in judged["measured"]
+    row = _row(8, 4.0, 1.0)
+    for entry in row["variants"]:
+        entry["p90_ms"] = entry["median_ms"]
+    table = gpu_suite.row_table(row, ("sdpa + compile max-autotune",))
+    assert any(line.startswith("| sdpa + compile max-autotune † |") for line in table)
+    assert any(line.startswith("| exporter aoti |") and "| 2.25× |" in line for line in table)  # vs sdpa eager

@@ -40,6 +40,14 @@ def test_names_are_classified_per_backend():
     aoti_gpu = kernels.classify([("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x64", True),
                                  ("triton_red_fused__softmax__to_copy_add_4", True)], "cuda")
     assert aoti_gpu["backends"] == {"cudnn": 1} and aoti_gpu["softmax_kernels"] == 1
+    # a ViT's AOTInductor package on an H200: cuDNN's patch convolution is "...cudnn...fprop..." too, and the
+    # attention that ran decomposed is a softmax kernel, not a fused one
+    vit_gpu = kernels.classify([("void cutlass__5x_cudnn::Kernel<cutlass_tensorop_bf16_s16816fprop_optimized_bf16_"
+                                 "64x64_64x5_nhwc_align8>(cutlass_tensorop_bf16_s16816fprop_optimized_bf16_64x64_"
+                                 "64x5_nhwc_align8::Params)", True),
+                                ("triton_per_fused__safe_softmax_add_arange_exp_expand_ge_prepare_softmax_online_"
+                                 "scalar_tensor_sub_unsqueeze_view_where_5", True)], "cuda")
+    assert vit_gpu["backends"] == {} and vit_gpu["softmax_kernels"] == 1 and "unfused" in vit_gpu["note"]
     nothing = kernels.classify([("graph_0_cpp_fused__softmax_0", False), ("aten::bmm", False)])
     assert nothing["backends"] == {} and nothing["softmax_kernels"] == 1 and "unfused" in nothing["note"]
 

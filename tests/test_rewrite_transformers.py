@@ -53,3 +53,39 @@ def test_transformers_model_is_rewritten_once_through_the_interface():
 def test_interface_rule_does_not_apply_to_other_models():
     io = zoo.io_module(zoo.build(zoo.BY_NAME["matmul_div"]))
     assert not transformers_interface.applies(io)
+
+
+def _sdpa_masks(program) -> list[bool]:
+    return [len(n.args) > 3 or n.kwargs.get("attn_mask") is not None for n in program.graph.nodes
+            if n.op == "call_function" and "scaled_dot_product_attention" in str(n.target)]
+
+
+def test_an_encoder_without_padding_exports_its_attention_without_a_mask():
+    """transformers builds an all-true [batch, 1, S, S] mask when traced (ViT has no padding mask); no fused
+    GPU backend takes it, so the rewrite keeps transformers' eager-mode rule: nothing masked, no mask."""
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    vit = transformers.ViTModel(transformers.ViTConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                                       intermediate_size=128, image_size=32, patch_size=8)).eval()
+    io = make_io_module(vit, Signature(("pixel_values",), ("last_hidden_state",)), "eager")
+    images = torch.randn(2, 3, 32, 32)
+    module, audit = rewrite_attention(io, [images])
+    assert audit.count(REWRITTEN) == 2
+    dynamic = ({0: torch.export.Dim.DYNAMIC},)
+    untouched = torch.export.export(module, (images,), dynamic_shapes=dynamic, strict=False)
+    assert _sdpa_masks(untouched) == [True, True]  # transformers' own behaviour under export, outside the block
+    with transformers_interface.trivial_masks_skipped(), transformers_interface.trivial_masks_skipped():
+        program = torch.export.export(module, (images,), dynamic_shapes=dynamic, strict=False)
+    assert _sdpa_masks(program) == [False, False]
+    again = torch.export.export(module, (images,), dynamic_shapes=dynamic, strict=False)
+    assert _sdpa_masks(again) == [True, True]  # restored after the (nested) blocks
+    other = torch.randn(3, 3, 32, 32)
+    with torch.inference_mode():
+        torch.testing.assert_close(program.module()(other)[0], io(other)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_a_padding_mask_is_still_passed_to_the_attention():
+    module, _ = rewrite_attention(tiny_gpt2(), tokens(2, 32))
+    with transformers_interface.trivial_masks_skipped():
+        program = zoo.export_named(module, tokens(2, 32), ("input_ids", "attention_mask"))
+    assert _sdpa_masks(program) == [True, True]

@@ -70,9 +70,8 @@ DEVICE_KERNELS = (  # (backend, all of these substrings, lower-case); only the c
     ("efficient", ("attention_kernel",)),
     ("cudnn", ("cudnn", "sdpa")),
     ("cudnn", ("cudnn", "fmha")),
-    ("cudnn", ("cudnn", "fprop")),
     ("cudnn", ("cudnn", "flash")),
-)
+)  # not ("cudnn", "fprop"): cuDNN's convolutions are "...cudnn::Kernel<...fprop...>" too
 ATEN_SOFTMAX = {"aten::_softmax", "aten::_masked_softmax"}  # the leaves: aten::softmax and _safe_softmax call these
 
 

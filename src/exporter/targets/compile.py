@@ -17,6 +17,7 @@ from ..attention_backend import backend_context
 from ..inputs import TORCH_DTYPES
 from ..measure.kernels import hook
 from ..prepare import from_source, place
+from ..rewrite.transformers_interface import trivial_masks_skipped
 from .spec import BuildContext, Built, Loaded, RunnerSpec
 
 
@@ -39,7 +40,7 @@ def load(spec: RunnerSpec) -> Loaded:
     info: dict = {"mode": spec.option("mode"), "dynamic": bool(spec.option("dynamic"))}
 
     def call(args):
-        with backend_context(spec.attention_backend, spec.device):
+        with backend_context(spec.attention_backend, spec.device), trivial_masks_skipped():
             if "compile_s" not in info:
                 t0 = time.perf_counter()
                 out = compiled(*args)

@@ -18,6 +18,7 @@ from ..errors import shorten
 from ..inputs import TORCH_DTYPES
 from ..measure.kernels import hook
 from ..rewrite.graph_facts import count_graph_ops
+from ..rewrite.transformers_interface import trivial_masks_skipped
 from .spec import BuildContext, Built, Loaded, RunnerSpec
 
 FILE = "model.pt2"
@@ -37,6 +38,11 @@ def export_program(ctx: BuildContext):
 
 
 def export_module(module, example, plan, notes: list[str], hints_first: bool = False):
+    with trivial_masks_skipped():
+        return _export_module(module, example, plan, notes, hints_first)
+
+
+def _export_module(module, example, plan, notes: list[str], hints_first: bool = False):
     """torch.export ``module`` with the plan's dynamic dims (training IR; :func:`core_aten` decomposes it).
 
     Named dims (``Dim("sequence", min, max)``) come first: they tie equal dims
