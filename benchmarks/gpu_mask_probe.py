@@ -1,6 +1,6 @@
 """Does SDPA with an explicit mask compute the right thing on this GPU, per backend and length?
 
-Run on the GPU machine: ``PYTHONPATH=src python3 benchmarks/gpu_mask_probe.py OUT.json``.
+Run on the GPU machine: ``python3 benchmarks/gpu_mask_probe.py OUT.json`` (``PROBE_TINY=1``: a CPU smoke run).
 
 Two levels, each against float64:
 - SDPA alone: grouped-query shapes of the Llama-3.2-1B attention (32 query heads, 8 key/value heads expanded to
@@ -18,9 +18,16 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
+import transformers
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from exporter.modelio import Signature, make_io_module  # noqa: E402
+from exporter.rewrite import rewrite_attention  # noqa: E402
 
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
@@ -61,11 +68,6 @@ def sdpa_level(device: str) -> list[dict]:
 
 
 def model_level(device: str) -> list[dict]:
-    import transformers
-
-    from exporter.modelio import Signature, make_io_module
-    from exporter.rewrite import rewrite_attention
-
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
     tiny = bool(os.environ.get("PROBE_TINY"))  # a smoke run of this script on the CPU
@@ -113,7 +115,8 @@ def model_level(device: str) -> list[dict]:
 
 def main() -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    out = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name() if device == "cuda" else "none", "cudnn": torch.backends.cudnn.version(),
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "none"
+    out = {"torch": torch.__version__, "gpu": gpu, "cudnn": torch.backends.cudnn.version(),
            "sdpa": sdpa_level(device), "model": model_level(device)}
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w", encoding="utf-8") as f:

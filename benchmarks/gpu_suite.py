@@ -865,7 +865,8 @@ def write_doc(paths: list[Path], doc: Path) -> None:
     for r in results:
         c = r["convert"]
         ended = f"exit {c['exit_code']}" if c["exit_code"] is not None else "; ".join(c.get("stderr_tail") or [])
-        lines += ["", summary(r), "", f"Run on {r['environment']['date']} from commit {r['environment'].get('commit')}. "
+        env = r["environment"]
+        lines += ["", summary(r), "", f"Run on {env['date']} from commit {env.get('commit')}. "
                   f"The convert (`{c['command']}`): {ended} after {c['wall_s']:.0f} s; "
                   f"hand-tuned modes {', '.join(r['hand_modes'])}; Inductor cache "
                   f"{r.get('inductor_cache') or 'default'}.", "",
