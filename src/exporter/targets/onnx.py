@@ -21,6 +21,7 @@ import contextlib
 import re
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -142,6 +143,33 @@ def name_dims(proto: onnx.ModelProto, dynamic: dict[str, dict[int, Any]]) -> dic
     return renames
 
 
+def pack_weights(proto: onnx.ModelProto, path: Path) -> None:
+    """Write ``proto`` (whose initializers may point at external data beside ``path``) to ``path`` as one file
+    with every weight inside, holding one tensor's bytes at a time.
+
+    Protobuf merges a message that appears twice on the wire and concatenates repeated fields, so the file is
+    the model without its initializers followed by one ``ModelProto(graph=GraphProto(initializer=[t]))`` per
+    tensor: parsed, that is the whole model (``onnx.checker`` checks the result). ``onnx.save`` of the same
+    model would hold the weights twice over (the message and its serialised bytes).
+    """
+    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data  # noqa: PLC0415
+
+    initializers = list(proto.graph.initializer)
+    del proto.graph.initializer[:]
+    staged = path.with_name(path.name + ".packing")
+    with open(staged, "wb") as f:
+        f.write(proto.SerializeToString())
+        for tensor in initializers:
+            if uses_external_data(tensor):
+                load_external_data_for_tensor(tensor, str(path.parent))
+                del tensor.external_data[:]
+                tensor.data_location = onnx.TensorProto.DEFAULT
+            f.write(onnx.ModelProto(graph=onnx.GraphProto(initializer=[tensor])).SerializeToString())
+            tensor.ClearField("raw_data")
+    proto.graph.initializer.extend(initializers)  # the caller's graph again (without the weights' bytes)
+    staged.replace(path)
+
+
 def build(ctx: BuildContext) -> list[Built]:
     t0 = time.perf_counter()
     provider = choose_provider(ctx.device)
@@ -164,14 +192,20 @@ def build(ctx: BuildContext) -> list[Built]:
         optimize(onnx_program)
         size = sum(t.numel() * t.element_size() for t in program.state_dict.values())
         external = size > EXTERNAL_DATA_BYTES
-        onnx_program.save(str(path), external_data=external)
+        # always written with the weights apart, tensor by tensor: serialising them inside the graph's protobuf
+        # took three times the weights in memory at once (MiniLM: +280 MiB); a small model's weights are then
+        # streamed into model.onnx one tensor at a time (pack_weights)
+        onnx_program.save(str(path), external_data=True)
         del onnx_program
-    proto = onnx.load(str(path), load_external_data=False)
-    if name_dims(proto, ctx.plan.dynamic_axes()):
-        onnx.save(proto, str(path))  # the graph only: weights in model.onnx.data stay where they are
-    onnx.checker.check_model(str(path), full_check=True)
-    ops = collections.Counter(node.op_type for node in proto.graph.node)
     data = path.with_name(path.name + ".data")
+    proto = onnx.load(str(path), load_external_data=False)
+    renamed = name_dims(proto, ctx.plan.dynamic_axes())
+    if not external:
+        pack_weights(proto, path)
+        data.unlink(missing_ok=True)
+    elif renamed:
+        onnx.save(proto, str(path))  # the graph only: weights in model.onnx.data stay where they are
+    ops = collections.Counter(node.op_type for node in proto.graph.node)
     files = [path] + ([data] if external and data.exists() else [])
     graph = {"attention": ops.get("Attention", 0), "softmax": ops.get("Softmax", 0), "matmul": ops.get("MatMul", 0),
              "opset": next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None),
@@ -179,6 +213,8 @@ def build(ctx: BuildContext) -> list[Built]:
              "shapes": {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
                         for v in [*proto.graph.input, *proto.graph.output]},
              "provider": provider, "dtype": dtype}
+    del proto  # its weights, before the checker loads the file again
+    onnx.checker.check_model(str(path), full_check=True)
     spec = RunnerSpec("onnx", "onnx", device, dtype, path=str(path), options=(("provider", provider),))
     return [Built("onnx", "onnx", spec, path, files, time.perf_counter() - t0, notes=notes, graph=graph)]
 
