@@ -291,3 +291,26 @@ def test_target_option_checks_names():
     with pytest.raises(RecipeError, match="'trt' is not one of"):
         resolve_recipe("cpu-fp32", targets=("trt",))
     assert resolve_recipe("cpu-fp32", rewrite=False).runtime.rewrite_attention is False
+
+
+def test_a_decoder_declared_without_a_padding_mask_ships_the_causal_kernel(tiny_models, tmp_path):
+    """A convert whose inputs leave out attention_mask: every artifact runs SDPA with is_causal=True (ONNX's
+    Attention with is_causal=1) and no mask tensor, and passes the gate over the shape grid."""
+    result = exporter.convert(tiny_models["llama"], quick(), tmp_path / "out", targets=("exported_program", "onnx"),
+                              tensors=("input_ids:int64:batch,sequence:0:1000",))
+    report = result.report
+    assert result.exit_code == 0, report["problems"]
+    assert report["inputs"]["names"] == ["input_ids"]
+    assert all(a["status"] == "ok" and a["numerics"]["passed"] for a in report["artifacts"])
+    for artifact in report["artifacts"]:  # sequence 1 included: the grid covers the declared range's ends
+        grid = artifact["numerics"]["grid"]
+        assert grid["checked"] and grid["passed"] and grid["points"] and not grid["specialised"]
+    program = torch.export.load(str(result.out / "model.pt2"))
+    calls = [n for n in program.graph.nodes
+             if n.op == "call_function" and "scaled_dot_product_attention" in str(n.target)]
+    assert len(calls) == 2
+    assert all(c.args[3] is None and c.args[5] is True and c.kwargs.get("enable_gqa") for c in calls)
+    attention = [n for n in onnx.load(str(result.out / "model.onnx")).graph.node if n.op_type == "Attention"]
+    assert len(attention) == 2
+    assert all(any(a.name == "is_causal" and a.i == 1 for a in n.attribute) for n in attention)
+    assert all(len(n.input) < 4 or not n.input[3] for n in attention)  # no attn_mask input

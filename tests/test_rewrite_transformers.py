@@ -10,6 +10,7 @@ import attention_zoo as zoo
 from exporter.modelio import Signature, make_io_module
 from exporter.rewrite import ALREADY_SDPA, REWRITTEN, graph_rule, rewrite_attention, transformers_interface
 from exporter.rewrite.graph_facts import count_graph_ops
+from exporter.rewrite.transformers_masks import trivial_masks_skipped
 
 transformers = pytest.importorskip("transformers")
 
@@ -74,7 +75,7 @@ def test_an_encoder_without_padding_exports_its_attention_without_a_mask():
     dynamic = ({0: torch.export.Dim.DYNAMIC},)
     untouched = torch.export.export(module, (images,), dynamic_shapes=dynamic, strict=False)
     assert _sdpa_masks(untouched) == [True, True]  # transformers' own behaviour under export, outside the block
-    with transformers_interface.trivial_masks_skipped(), transformers_interface.trivial_masks_skipped():
+    with trivial_masks_skipped(), trivial_masks_skipped():
         program = torch.export.export(module, (images,), dynamic_shapes=dynamic, strict=False)
     assert _sdpa_masks(program) == [False, False]
     again = torch.export.export(module, (images,), dynamic_shapes=dynamic, strict=False)
@@ -86,6 +87,39 @@ def test_an_encoder_without_padding_exports_its_attention_without_a_mask():
 
 def test_a_padding_mask_is_still_passed_to_the_attention():
     module, _ = rewrite_attention(tiny_gpt2(), tokens(2, 32))
-    with transformers_interface.trivial_masks_skipped():
+    with trivial_masks_skipped():
         program = zoo.export_named(module, tokens(2, 32), ("input_ids", "attention_mask"))
     assert _sdpa_masks(program) == [True, True]
+
+
+def _sdpa_calls(program) -> list[tuple]:
+    return [(n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask"),
+             n.args[5] if len(n.args) > 5 else n.kwargs.get("is_causal", False), n.kwargs.get("enable_gqa", False))
+            for n in program.graph.nodes
+            if n.op == "call_function" and "scaled_dot_product_attention" in str(n.target)]
+
+
+def test_a_decoder_without_a_padding_mask_exports_the_causal_kernel():
+    """No attention_mask input: SDPA gets is_causal=True and grouped K/V, not a materialised causal mask over
+    expanded heads (and transformers is told the model's own positions hold one sequence per row)."""
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=100, max_position_embeddings=512)).eval()
+    io = make_io_module(llama, Signature(("input_ids",), ("logits",)), "eager")
+    ids = torch.randint(0, 100, (2, 32))
+    module, _ = rewrite_attention(io, [ids])
+    dims = ({0: torch.export.Dim("batch", min=1, max=8), 1: torch.export.Dim("sequence", min=1, max=256)},)
+    untouched = torch.export.export(module, (ids,), dynamic_shapes=dims, strict=False)
+    assert all(mask is not None for mask, _, _ in _sdpa_calls(untouched))  # transformers' own behaviour
+    with trivial_masks_skipped(positions_from_model=True):
+        program = torch.export.export(module, (ids,), dynamic_shapes=dims, strict=False)
+    assert _sdpa_calls(program) == [(None, True, True)] * 2
+    for batch, seq in ((3, 17), (1, 100), (2, 1)):
+        other = torch.randint(0, 100, (batch, seq))
+        with torch.inference_mode():
+            torch.testing.assert_close(program.module()(other)[0], io(other)[0], atol=1e-5, rtol=1e-5)
+    with trivial_masks_skipped(positions_from_model=False):  # position_ids an input: they may pack sequences
+        packed = torch.export.export(module, (ids,), dynamic_shapes=dims, strict=False)
+    assert all(mask is not None for mask, _, _ in _sdpa_calls(packed))

@@ -7,20 +7,12 @@ rewrites them all without touching the library's code. The sites are found by
 observation: one forward pass with the ``sdpa`` entry of the interface wrapped
 by a recorder lists each module that dispatched, with its q/k/v shapes and mask.
 
-Under tracing (torch.export, torch.compile) transformers materialises a bidirectional mask even when
-no padding mask was given (it will not look at mask contents there, and checks for ``None`` in the same
-branch), so a vision encoder's SDPA got an all-true ``[batch, 1, S, S]`` mask: no fused backend took it on
-an H200 and the attention ran decomposed, in float32. Inside :func:`trivial_masks_skipped` (around every
-trace exporter makes of a model) the mask function returns ``None`` for exactly the masks transformers
-itself skips in eager mode without looking at any data: bidirectional, no padding mask, no local window,
-no extra mask function.
+The masks transformers builds for these calls under tracing: :mod:`.transformers_masks`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import threading
 from typing import Any
 
 import torch
@@ -59,51 +51,6 @@ def _recording(calls: list[dict[str, Any]]):
         yield
     finally:
         mapping["sdpa"] = original
-
-
-_SKIPPING: dict[str, Any] = {"depth": 0, "original": None, "wrapper": None}
-_SKIPPING_LOCK = threading.Lock()
-
-
-def _mask_wrapper(original):
-    @functools.wraps(original)
-    def sdpa_mask(*args, **kwargs):
-        if (kwargs.get("allow_is_bidirectional_skip") and "attention_mask" in kwargs
-                and kwargs["attention_mask"] is None and kwargs.get("local_size") is None):
-            return None  # bidirectional, no padding mask, no window: nothing is masked
-        return original(*args, **kwargs)
-
-    return sdpa_mask
-
-
-@contextlib.contextmanager
-def trivial_masks_skipped():
-    """While tracing inside this block, transformers' SDPA mask function returns ``None`` for a bidirectional
-    mask with no padding mask given (nothing masked), as it does in eager mode; restored on exit (nested and
-    concurrent blocks share one install). The attention is the same: an all-true mask and no mask select the
-    same keys. The same wrapper object is installed every time, so a ``torch.compile`` guard on it holds
-    from one call to the next. A no-op where transformers has no mask interface."""
-    try:
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS  # noqa: PLC0415 - optional
-    except ImportError:
-        yield
-        return
-    mapping = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
-    with _SKIPPING_LOCK:
-        installed = _SKIPPING["depth"] > 0 or mapping.get("sdpa") is not None
-        if installed and _SKIPPING["depth"] == 0:
-            if _SKIPPING["original"] is not mapping["sdpa"]:
-                _SKIPPING["original"], _SKIPPING["wrapper"] = mapping["sdpa"], _mask_wrapper(mapping["sdpa"])
-            mapping["sdpa"] = _SKIPPING["wrapper"]
-        _SKIPPING["depth"] += int(installed)
-    try:
-        yield
-    finally:
-        if installed:
-            with _SKIPPING_LOCK:
-                _SKIPPING["depth"] -= 1
-                if _SKIPPING["depth"] == 0:
-                    mapping["sdpa"] = _SKIPPING["original"]
 
 
 def rewrite(io: IOModule, example: list[torch.Tensor], audit: AttentionAudit) -> IOModule:

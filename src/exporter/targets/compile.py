@@ -17,7 +17,7 @@ from ..attention_backend import backend_context
 from ..inputs import TORCH_DTYPES
 from ..measure.kernels import hook
 from ..prepare import from_source, place
-from ..rewrite.transformers_interface import trivial_masks_skipped
+from ..rewrite.transformers_masks import positions_from_model, trivial_masks_skipped
 from .spec import BuildContext, Built, Loaded, RunnerSpec
 
 
@@ -39,8 +39,10 @@ def load(spec: RunnerSpec) -> Loaded:
     compiled = torch.compile(module, mode=spec.option("mode"), dynamic=bool(spec.option("dynamic")))
     info: dict = {"mode": spec.option("mode"), "dynamic": bool(spec.option("dynamic"))}
 
+    own_positions = positions_from_model(prepared.rewritten)
+
     def call(args):
-        with backend_context(spec.attention_backend, spec.device), trivial_masks_skipped():
+        with backend_context(spec.attention_backend, spec.device), trivial_masks_skipped(own_positions):
             if "compile_s" not in info:
                 t0 = time.perf_counter()
                 out = compiled(*args)

@@ -18,7 +18,7 @@ from ..errors import shorten
 from ..inputs import TORCH_DTYPES
 from ..measure.kernels import hook
 from ..rewrite.graph_facts import count_graph_ops
-from ..rewrite.transformers_interface import trivial_masks_skipped
+from ..rewrite.transformers_masks import positions_from_model, trivial_masks_skipped
 from .spec import BuildContext, Built, Loaded, RunnerSpec
 
 FILE = "model.pt2"
@@ -38,7 +38,7 @@ def export_program(ctx: BuildContext):
 
 
 def export_module(module, example, plan, notes: list[str], hints_first: bool = False):
-    with trivial_masks_skipped():
+    with trivial_masks_skipped(positions_from_model(module)):
         return _export_module(module, example, plan, notes, hints_first)
 
 
