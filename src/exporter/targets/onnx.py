@@ -213,7 +213,7 @@ def build(ctx: BuildContext) -> list[Built]:
              "shapes": {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
                         for v in [*proto.graph.input, *proto.graph.output]},
              "provider": provider, "dtype": dtype}
-    del proto  # its weights, before the checker loads the file again
+    del proto  # the checker loads the file itself
     onnx.checker.check_model(str(path), full_check=True)
     spec = RunnerSpec("onnx", "onnx", device, dtype, path=str(path), options=(("provider", provider),))
     return [Built("onnx", "onnx", spec, path, files, time.perf_counter() - t0, notes=notes, graph=graph)]
