@@ -42,7 +42,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -78,8 +78,14 @@ class Model:
     dims: list[str]  # --dim for the convert: its typical shape (small, for a quick convert) and a range over the rows
     transformers: bool = True
     factory: str | None = None  # --model for a factory model
-    declared: list[str] = field(default_factory=list)  # --input for a factory model
+    declared: list[str] = field(default_factory=list)  # --input: a factory model's inputs, or a narrower set
     causal_lm: bool = False
+    family: str = ""  # the model built (hf_model's name) when ``name`` is a variant of it; default: ``name``
+    note: str = ""  # what this variant of the convert is, for the document
+
+    @property
+    def builds(self) -> str:
+        return self.family or self.name
 
 
 def llama1b_config(tiny: bool):
@@ -117,7 +123,7 @@ def models(tiny: bool) -> dict[str, Model]:
         return [Row(label, sizes) for label, sizes in specs]
 
     if tiny:
-        return {
+        return with_variants({
             "gpt2": Model("gpt2", "GPT-2 (tiny)", rows(("2 × 64", {"batch": 2, "sequence": 64})),
                           ["batch=2:1:4", "sequence=64:16:128"], causal_lm=True),
             "bert": Model("bert", "BERT (tiny)", rows(("4 × 32", {"batch": 4, "sequence": 32}),
@@ -132,8 +138,8 @@ def models(tiny: bool) -> dict[str, Model]:
                                  transformers=False, factory="handwritten_gpt:build",
                                  declared=["input_ids:int64:batch,sequence:0:256",
                                            "attention_mask:int64:batch,sequence"]),
-        }
-    return {
+        }, tiny)
+    return with_variants({
         "gpt2": Model("gpt2", "GPT-2 small (124M)", rows(("8 × 1024", {"batch": 8, "sequence": 1024})),
                       ["batch=8:1:64", "sequence=512:16:1024"], causal_lm=True),
         "bert": Model("bert", "BERT-base (110M)", rows(("128 × 128", {"batch": 128, "sequence": 128}),
@@ -148,7 +154,30 @@ def models(tiny: bool) -> dict[str, Model]:
                              ["batch=8:1:64", "sequence=512:16:4096"], transformers=False,
                              factory="handwritten_gpt:build",
                              declared=["input_ids:int64:batch,sequence:0:8192", "attention_mask:int64:batch,sequence"]),
-    }
+    }, tiny)
+
+
+def with_variants(catalogue: dict[str, Model], tiny: bool) -> dict[str, Model]:
+    """``catalogue`` and the variants of its converts a deployment may choose: ``<model>-nomask`` declares only
+    ``input_ids`` (a server that sends no padding: a decoder's artifacts carry SDPA's causal kernel, an
+    encoder's no mask at all), and ``bert-b1`` builds a package for batch 1 × 128 only (static shapes, which
+    Inductor specialises), timed at that row."""
+    vocab = {"gpt2": 50257, "bert": 30522, "llama1b": 128256}
+    variants = {}
+    for name, size in vocab.items():
+        base = catalogue[name]
+        variants[f"{name}-nomask"] = replace(
+            base, name=f"{name}-nomask", family=name, title=f"{base.title}, declared without attention_mask",
+            declared=[f"input_ids:int64:batch,sequence:0:{256 if tiny else size}"],
+            note="the convert declares input_ids only (`--input input_ids:int64:batch,sequence:0:VOCAB`)")
+    bert = catalogue["bert"]
+    sequence = 32 if tiny else 128
+    variants["bert-b1"] = replace(
+        bert, name="bert-b1", family="bert", title=f"{bert.title}, a package for batch 1 × {sequence} only",
+        rows=[row for row in bert.rows if row.batch == 1],
+        dims=["batch=1:1:1", f"sequence={sequence}:{sequence}:{sequence}"],
+        note=f"the convert fixes the shape (`--dim batch=1:1:1 --dim sequence={sequence}:{sequence}:{sequence}`)")
+    return {**catalogue, **variants}
 
 
 # ----------------------------------------------------------------------------------------------- the model itself
@@ -159,7 +188,7 @@ def write_checkpoint(model: Model, folder: Path, tiny: bool, device: str) -> dic
     torch.manual_seed(0)
     folder.mkdir(parents=True, exist_ok=True)
     if model.transformers:
-        cls, cfg = hf_model(model.name, tiny)
+        cls, cfg = hf_model(model.builds, tiny)
         previous = torch.get_default_dtype()
         torch.set_default_dtype(torch.bfloat16)
         try:
@@ -186,7 +215,7 @@ def load_original(model: Model, folder: Path, device: str, attention: str = "eag
     """The model as a user has it: transformers' ``from_pretrained`` with ``attention`` (eager: the original
     attention code), or the hand-written model from its factory."""
     if model.transformers:
-        cls, _ = hf_model(model.name, False)
+        cls, _ = hf_model(model.builds, False)
         module = cls.from_pretrained(folder, attn_implementation=attention, dtype=torch.bfloat16)
     else:
         from safetensors.torch import load_file
@@ -239,8 +268,8 @@ def run_convert(model: Model, checkpoint: Path, out: Path, recipe: str, timeout_
         command += ["--dim", dim]
     if model.factory:
         command += ["--model", model.factory]
-        for declared in model.declared:
-            command += ["--input", declared]
+    for declared in model.declared:
+        command += ["--input", declared]
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)  # as a user runs it: exporter preloads what its own AOTI children need
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT / "scripts"), env.get("PYTHONPATH", "")])
@@ -485,7 +514,7 @@ def time_model(model: Model, checkpoint: Path, convert_dir: Path, convert: dict[
     from exporter.targets.spec import ModelSource
 
     cuda = device.startswith("cuda")
-    names = convert.get("inputs") or (["pixel_values"] if model.name == "vit" else ["input_ids", "attention_mask"])
+    names = convert.get("inputs") or (["pixel_values"] if model.builds == "vit" else ["input_ids", "attention_mask"])
     artifacts = {a["name"]: a for a in convert.get("artifacts", [])}
     originals: dict[str, torch.nn.Module] = {"eager": load_original(model, checkpoint, device, "eager")}
     if model.transformers:
@@ -719,7 +748,7 @@ def run(names: list[str], out: Path, work: Path, tiny: bool, device: str, hand_m
         result: dict[str, Any] = {"model": name, "title": model.title, "environment": environment(),
                                   "recipe": recipe, "hand_modes": hand_modes, "settings": settings,
                                   "convert_targets": targets or "all the recipe's",
-                                  "hand_originals": hand_originals or "all",
+                                  "hand_originals": hand_originals or "all", "note": model.note,
                                   "handwritten_attention": not model.transformers,
                                   "inductor_cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR")}
         checkpoint, convert_dir = work / name / "checkpoint", work / name / "converted"

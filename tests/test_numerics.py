@@ -61,3 +61,35 @@ def test_judge_keeps_worst_sample_and_all_failures():
     assert verdict.worst[0].sample == 1
     assert [f.sample for f in verdict.failures] == [1]
     assert verdict.to_dict()["failures"][0]["output"] == "y"
+
+
+def _judged(name: str, passed: bool, replays: str | None = None):
+    from exporter.numerics.tolerance import CandidateNumerics
+    from exporter.results import NUMERICS_FAILED, VariantResult
+
+    result = VariantResult("aoti", name, replays=replays)
+    result.numerics = CandidateNumerics(name, passed, 5.0, 0.0, "eager (cuda, bfloat16)",
+                                        grid={"checked": True, "passed": passed, "points": []},
+                                        locate=None if passed else {"module": "model.layers.1.self_attn"})
+    if not passed:
+        result.fail(NUMERICS_FAILED, "grid point sequence=512: rmse over the bar")
+    return result
+
+
+def test_a_variant_replaying_a_failed_artifact_fails_with_it():
+    """aoti:cuda-graph is judged at the samples only; the package it replays failed on the grid: it fails too,
+    with the package's localisation, and a replay of a package that passed keeps its own verdict."""
+    from exporter.numerics.validation import inherit_verdicts
+    from exporter.results import NUMERICS_FAILED, OK
+
+    package, graphed = _judged("aoti", False), _judged("aoti:cuda-graph", True, replays="aoti")
+    graphed.numerics.grid = {"checked": False, "passed": True, "points": []}
+    inherit_verdicts([package, graphed])
+    assert graphed.status == NUMERICS_FAILED and "runs the aoti artifact" in graphed.error
+    assert graphed.numerics.passed is False
+    assert graphed.numerics.locate == {"module": "model.layers.1.self_attn"}
+    assert graphed.numerics.grid["passed"] is False
+
+    package, graphed = _judged("aoti", True), _judged("aoti:cuda-graph", True, replays="aoti")
+    inherit_verdicts([package, graphed])
+    assert graphed.status == OK and graphed.numerics.passed

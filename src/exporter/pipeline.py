@@ -26,7 +26,7 @@ from .measure.bench import benchmark, slower_than_source
 from .measure.kernels import audit_kernels
 from .modelio import Signature, discover_outputs
 from .numerics.reference import run_reference
-from .numerics.validation import Validation, not_on_grid
+from .numerics.validation import Validation, inherit_verdicts, not_on_grid
 from .outdir import save_tensors
 from .prepare import original_module
 from .progress import Progress
@@ -181,6 +181,7 @@ class ConvertRun:
                         live[result.name] = loading[result.name]
                         not_on_grid(result)
         validation.locate_failures(results, rewritten, plan, grid, program, progress)
+        inherit_verdicts(results)
         self.warn(*validation.warnings)
 
         first = plan.samples[0][plan.names[0]]

@@ -34,6 +34,7 @@ class VariantResult:
     bench: dict[str, Any] | None = None
     info: dict[str, Any] = field(default_factory=dict)
     static_shapes: bool = False  # a benchmark variant (compile modes, a CUDA graph): judged at the samples only
+    replays: str | None = None  # the variant whose artifact this one runs: it fails where that one fails
 
     def fail(self, status: str, error: str) -> None:
         self.status = status

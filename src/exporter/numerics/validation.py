@@ -56,6 +56,24 @@ def not_on_grid(result: VariantResult) -> None:
                                 "reason": "a benchmark variant (static shapes): not on the grid"}
 
 
+def inherit_verdicts(results: list[VariantResult]) -> None:
+    """A variant that runs another variant's artifact (the AOTI package replayed from a CUDA graph) fails where
+    that artifact failed: it is judged at the samples only, but it is the same compiled code, so a failure the
+    artifact showed anywhere (a grid point, a sample) is its failure too, localised the same way."""
+    by_name = {r.name: r for r in results}
+    for result in results:
+        parent = by_name.get(result.replays or "")
+        if parent is None or parent.status != NUMERICS_FAILED or result.status != OK:
+            continue
+        result.fail(NUMERICS_FAILED, f"runs the {parent.name} artifact, which failed numerics: {parent.error}")
+        if result.numerics is not None and parent.numerics is not None:
+            result.numerics.passed = False
+            result.numerics.locate = parent.numerics.locate
+            result.numerics.grid = {"checked": False, "passed": (parent.numerics.grid or {}).get("passed", True),
+                                    "points": [], "reason": f"not on the grid itself; {parent.name}'s verdict "
+                                                            "applies (the same artifact)"}
+
+
 class Validation:
     """Judges candidates against the float64 reference, on the device the reference lives on.
 

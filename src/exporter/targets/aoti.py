@@ -92,7 +92,7 @@ def build(ctx: BuildContext) -> list[Built]:
         graphed = RunnerSpec(GRAPHED, "aoti", ctx.device, ctx.dtype, path=str(path), source=ctx.source,
                              options=(("ld_preload", preload), ("cuda_graph", True)),
                              attention_backend=ctx.recipe.runtime.attention_backend)
-        built.append(Built("aoti", GRAPHED, graphed, build_s=build_s, static_shapes=True, notes=[
+        built.append(Built("aoti", GRAPHED, graphed, build_s=build_s, static_shapes=True, replays="aoti", notes=[
             f"the aoti package replayed from a CUDA graph ({LOADER}: CudaGraphed), captured at the samples' shapes: "
             "a benchmark variant, judged at the samples, not on the grid; build time is the package's, the "
             "capture is in its load time"]))

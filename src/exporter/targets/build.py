@@ -104,7 +104,7 @@ def _build_one(target: Target, ctx: BuildContext, progress,
             name, item.name, path=item.path.relative_to(ctx.staging) if item.path else None,
             files=[file_entry(p, ctx.staging) for p in item.files], build_s=item.build_s, notes=list(item.notes),
             graph=dict(item.graph), device=spec.device if spec else None, dtype=spec.dtype if spec else None,
-            static_shapes=item.static_shapes),
+            static_shapes=item.static_shapes, replays=item.replays),
             spec))
     return pairs
 

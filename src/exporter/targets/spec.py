@@ -135,6 +135,7 @@ class Built:
     notes: list[str] = field(default_factory=list)
     graph: dict[str, Any] = field(default_factory=dict)
     static_shapes: bool = False  # a benchmark variant that runs the shapes it was captured at: not on the grid
+    replays: str | None = None  # the variant whose artifact this one runs (its verdict over the grid holds here)
 
 
 @dataclass(frozen=True)
