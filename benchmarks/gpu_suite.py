@@ -898,8 +898,9 @@ def write_doc(paths: list[Path], doc: Path) -> None:
         lines += ["", summary(r), "", f"Run on {env['date']} from commit {env.get('commit')}. "
                   f"The convert (`{c['command']}`): {ended} after {c['wall_s']:.0f} s; "
                   f"hand-tuned modes {', '.join(r['hand_modes'])}; Inductor cache "
-                  f"{r.get('inductor_cache') or 'default'}.", "",
-                  "| artifact | status | gate | build s | load s | median ms (convert's own timing) | vs eager |",
+                  f"{r.get('inductor_cache') or 'default'}."
+                  + (f" Convert variant: {r['note']}." if r.get("note") else ""),
+                  "", "| artifact | status | gate | build s | load s | median ms (convert's own timing) | vs eager |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
         if not c.get("artifacts"):
             lines = lines[:-3]  # no report: no table
