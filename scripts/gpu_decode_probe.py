@@ -109,7 +109,17 @@ def main() -> None:
     rows.append(eager)
     print(json.dumps(eager)[:400], flush=True)
 
-    def export(static_batch: bool):
+    def export(static_batch: bool, fuse: bool):
+        import contextlib
+
+        from exporter.rewrite.fused_projections import fused_projections
+
+        with contextlib.ExitStack() as stack:
+            if fuse:  # as generation.fuse_projections does: q, k, v and gate, up as one product each
+                stack.enter_context(fused_projections(model, lambda: step(ids, pad, where, kv)))
+            return export_step(static_batch)
+
+    def export_step(static_batch: bool):
         example_kv = layout.allocate(1 if static_batch else batch, cache_length, torch.bfloat16, "cuda")
         n = 1 if static_batch else batch
         example = (torch.zeros(n, 1, dtype=torch.long, device="cuda"), torch.ones(n, cache_length, dtype=torch.long,
@@ -119,24 +129,26 @@ def main() -> None:
         return torch.export.export(step, example, dynamic_shapes=shapes, strict=False).run_decompositions(
             decomposition_table())
 
-    variants = [
-        ("AOTI as built (batch 1..8)", False, {}),
-        ("AOTI + coordinate-descent tuning", False, {"coordinate_descent_tuning": True}),
-        ("AOTI, batch fixed at 1", True, {}),
-        ("AOTI, batch 1, max-autotune + coordinate descent", True,
-         {"max_autotune": True, "coordinate_descent_tuning": True}),
+    autotune = {"max_autotune": True, "coordinate_descent_tuning": True}
+    variants = [  # name, batch fixed at 1, projections fused, Inductor options
+        ("AOTI as built (batch 1..8)", False, False, {}),
+        ("AOTI, q/k/v and gate/up fused (generation.fuse_projections)", False, True, {}),
+        ("AOTI, fused, batch 1, max-autotune + coordinate descent", True, True, autotune),
+        ("AOTI + coordinate-descent tuning", False, False, {"coordinate_descent_tuning": True}),
+        ("AOTI, batch fixed at 1", True, False, {}),
+        ("AOTI, batch 1, max-autotune + coordinate descent", True, False, autotune),
     ]
     programs = {}
-    for name, static, configs in variants:
+    for name, static, fuse, configs in variants:
         if time.perf_counter() - start > args.budget_s:
             rows.append({"variant": name, "skipped": "time budget spent"})
             continue
         try:
-            if static not in programs:
-                programs[static] = export(static)
+            if (static, fuse) not in programs:
+                programs[(static, fuse)] = export(static, fuse)
             t0 = time.perf_counter()
             path = out.parent / f"probe-{len(rows)}.pt2"
-            torch._inductor.aoti_compile_and_package(programs[static], package_path=str(path),
+            torch._inductor.aoti_compile_and_package(programs[(static, fuse)], package_path=str(path),
                                                      inductor_configs={"cpp.vec_isa_ok": False, **configs})
             build_s = time.perf_counter() - t0
             def fresh_call(package=path):

@@ -87,7 +87,9 @@ def render(report: dict[str, Any]) -> str:
         programs = row.get("programs")
         if programs:
             lines.append(f"- {row['name']} programs: " + "; ".join(
-                f"{name}: sdpa ×{ops['sdpa']}, softmax ×{ops['softmax']}" for name, ops in programs.items()))
+                f"{name}: sdpa ×{ops['sdpa']}, softmax ×{ops['softmax']}" for name, ops in programs.items())
+                + (f"; {len(row['fused_projections'])} groups of linears fused into one product each"
+                   if row.get("fused_projections") else ""))
     attention = report["attention"]
     lines += ["", "## Attention", "", f"{len(attention.get('sites') or [])} site(s) rewritten to SDPA."]
     lines += [f"- {note}" for note in attention.get("notes") or []]

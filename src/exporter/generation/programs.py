@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..attention_backend import backend_context
+from ..rewrite.fused_projections import fused_projections
 from ..rewrite.graph_facts import count_graph_ops
 from ..targets.exported_program import decomposition_table
 from .cache import CacheLayout, DecoderStep
@@ -49,6 +50,7 @@ class Exported:
     decode: Any
     export_s: float
     notes: list[str] = field(default_factory=list)
+    fused: list[dict[str, Any]] = field(default_factory=list)  # projections computed as one product (groups)
 
 
 def _examples(layout: CacheLayout, batch: int, prompt: int, cache_length: int, dtype, device):
@@ -62,10 +64,27 @@ def _examples(layout: CacheLayout, batch: int, prompt: int, cache_length: int, d
 
 
 def export_steps(step: DecoderStep, layout: CacheLayout, batch: int, prompt: int, cache_length: int,
-                 dtype: torch.dtype, device: str) -> Exported:
+                 dtype: torch.dtype, device: str, fuse: bool = False) -> Exported:
     """Both programs, decomposed to core ATen with SDPA kept. Named dims first; on a guard torch cannot prove
-    over the range (seen on CUDA) the same ranges as ``Dim.DYNAMIC`` hints, noted."""
+    over the range (seen on CUDA) the same ranges as ``Dim.DYNAMIC`` hints, noted. ``fuse``: the linears that
+    read one tensor (q, k, v; gate, up) exported as one product each (``rewrite.fused_projections``)."""
     t0 = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        groups = []
+        if fuse:
+            _, probe_args = _examples(layout, 1, prompt, cache_length, dtype, device)
+            groups = stack.enter_context(fused_projections(step.model, lambda: step(*probe_args)))
+        exported = _export_both(step, layout, batch, prompt, cache_length, dtype, device)
+    exported.export_s = time.perf_counter() - t0
+    exported.fused = [g.to_dict() for g in groups]
+    if fuse:
+        exported.notes.append(f"{len(groups)} groups of linears that read one input exported as one matrix product "
+                              "each (generation.fuse_projections)")
+    return exported
+
+
+def _export_both(step: DecoderStep, layout: CacheLayout, batch: int, prompt: int, cache_length: int,
+                 dtype: torch.dtype, device: str) -> Exported:
     prefill_args, decode_args = _examples(layout, batch, prompt, cache_length, dtype, device)
     notes: list[str] = []
 
@@ -93,8 +112,7 @@ def export_steps(step: DecoderStep, layout: CacheLayout, batch: int, prompt: int
         notes.append("exported with Dim.DYNAMIC hints of the batch and prompt ranges (a guard torch could not "
                      "prove over the named dims' ranges)")
     table = decomposition_table()
-    return Exported(prefill.run_decompositions(table), decode.run_decompositions(table),
-                    time.perf_counter() - t0, notes)
+    return Exported(prefill.run_decompositions(table), decode.run_decompositions(table), 0.0, notes)
 
 
 def attention_ops(program: Any) -> dict[str, int]:

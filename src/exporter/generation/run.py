@@ -198,7 +198,7 @@ def convert_generation(checkpoint: Path, recipe: Recipe, staging: Path, allow_dr
             with progress.stage("export", "prefill and decode programs"):
                 try:
                     exported = export_steps(step, layout, gen.batch, gen.prompt_length, gen.max_cache_len, dtype,
-                                            device)
+                                            device, fuse=gen.fuse_projections)
                 except Exception as exc:
                     warnings.append(f"export failed: {describe(exc)}")
                     (logs / "export.log").write_text(repr(exc), encoding="utf-8")
@@ -229,6 +229,7 @@ def convert_generation(checkpoint: Path, recipe: Recipe, staging: Path, allow_dr
                              size_bytes=sum(f.stat().st_size for f in files), notes=list(exported.notes))
                 entry["programs"] = {"prefill": attention_ops(exported.prefill),
                                      "decode": attention_ops(exported.decode)}
+                entry["fused_projections"] = exported.fused
             with progress.stage(f"validate and time {target}"):
                 result = run_session(staging, target, logs / f"{target}.log", time_it=True)
             if "error" in result:
