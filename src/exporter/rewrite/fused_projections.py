@@ -71,19 +71,17 @@ class Projection(nn.Module):
     """One member of a fused group, in place of its ``nn.Linear``: its slice of the group's product. The first
     member owns the ``FusedLinear`` (so its weight is a parameter once); the others refer to it."""
 
+    _group: FusedLinear  # every member's group, kept outside the module tree (object.__setattr__)
+
     def __init__(self, fused: FusedLinear, index: int, owner: bool):
         super().__init__()
         if owner:
-            self.fused = fused
-        else:
-            object.__setattr__(self, "_shared", fused)  # not a submodule: the weight is listed once
+            self.fused = fused  # a submodule of this member only: the weight is listed once
+        object.__setattr__(self, "_group", fused)
         self.index, self.count = index, len(fused.sizes)
 
-    def group(self) -> FusedLinear:
-        return self._modules["fused"] if "fused" in self._modules else self.__dict__["_shared"]  # type: ignore[return-value]
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group().parts(x, last=self.index == self.count - 1)[self.index]
+        return self._group.parts(x, last=self.index == self.count - 1)[self.index]
 
 
 def find_groups(model: nn.Module, probe: Callable[[], Any]) -> list[Group]:

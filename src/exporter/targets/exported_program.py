@@ -38,12 +38,8 @@ def export_program(ctx: BuildContext):
 
 
 def export_module(module, example, plan, notes: list[str], hints_first: bool = False):
-    with trivial_masks_skipped(positions_from_model(module)):
-        return _export_module(module, example, plan, notes, hints_first)
-
-
-def _export_module(module, example, plan, notes: list[str], hints_first: bool = False):
-    """torch.export ``module`` with the plan's dynamic dims (training IR; :func:`core_aten` decomposes it).
+    """torch.export ``module`` with the plan's dynamic dims (training IR; :func:`core_aten` decomposes it),
+    inside ``trivial_masks_skipped`` (transformers builds no mask SDPA does not need).
 
     Named dims (``Dim("sequence", min, max)``) come first: they tie equal dims
     across inputs and name them in every artifact. Where torch rejects them over a
@@ -54,6 +50,11 @@ def _export_module(module, example, plan, notes: list[str], hints_first: bool = 
     hints are used at once instead of paying for a trace that fails: the program's
     signature is still checked against the declared ranges, and the shape grid runs it.
     """
+    with trivial_masks_skipped(positions_from_model(module)):
+        return _export_module(module, example, plan, notes, hints_first)
+
+
+def _export_module(module, example, plan, notes: list[str], hints_first: bool = False):
     hinted = plan.export_dynamic_shapes(hints=True)
     if hints_first and hinted is not None:
         program = torch.export.export(module, tuple(example), dynamic_shapes=hinted, strict=False)
