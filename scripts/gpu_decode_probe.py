@@ -13,10 +13,12 @@ first row. Variants are built in order until the time budget is spent. Writes $O
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -66,7 +68,8 @@ def profile_step(call, steps: int = 10) -> dict:
 def graph_ms(make_call, tokens: int = 200) -> float:
     from exporter.targets.aoti_loader import capture
 
-    graph = capture(make_call())
+    call = make_call()  # kept alive while the graph replays: an AOTI container frees its memory when it goes
+    graph = capture(call)
     for _ in range(10):
         graph.replay()
     torch.cuda.synchronize()
@@ -83,11 +86,15 @@ def graph_ms(make_call, tokens: int = 200) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--budget-s", type=float, default=420.0)
+    parser.add_argument("--only", default="", help="comma-separated variant numbers (1-based) to build; all by default")
+    parser.add_argument("--no-eager", action="store_true", help="skip the eager model's row")
+    parser.add_argument("--blaslt", action="store_true", help="also time the first three packages on cuBLASLt")
     args = parser.parse_args()
     reexec_with_preload()
     start = time.perf_counter()
     out = Path(os.environ.get("OUT", "/tmp/out"))
     out.mkdir(parents=True, exist_ok=True)
+    from exporter.attention_backend import backend_context
     from exporter.generation.cache import DecoderStep, probe_layout
     from exporter.targets.aoti_loader import load_package
     from exporter.targets.exported_program import decomposition_table
@@ -101,20 +108,22 @@ def main() -> None:
     pad = torch.ones(1, cache_length, dtype=torch.long, device="cuda")
     where = torch.tensor([300], device="cuda")
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    rows = []
-    with torch.inference_mode():
-        eager: dict = {"variant": "eager model (SDPA), CUDA graph",
-                       "graph_ms": graph_ms(lambda: lambda: step(ids, pad, where, kv))}
-        eager.update(profile_step(lambda: step(ids, pad, where, kv)))
-    rows.append(eager)
-    print(json.dumps(eager)[:400], flush=True)
+    rows: list[dict] = []
+    if not args.no_eager:
+        with torch.inference_mode():
+            eager: dict = {"variant": "eager model (SDPA), CUDA graph",
+                           "graph_ms": graph_ms(lambda: lambda: step(ids, pad, where, kv))}
+            eager.update(profile_step(lambda: step(ids, pad, where, kv)))
+        rows.append(eager)
+        print(json.dumps(eager)[:400], flush=True)
 
-    def export(static_batch: bool, fuse: bool):
+    def export(static_batch: bool, fuse: bool, backend: str):
         import contextlib
 
         from exporter.rewrite.fused_projections import fused_projections
 
         with contextlib.ExitStack() as stack:
+            stack.enter_context(backend_context(backend, "cuda"))
             if fuse:  # as generation.fuse_projections does: q, k, v and gate, up as one product each
                 stack.enter_context(fused_projections(model, lambda: step(ids, pad, where, kv)))
             return export_step(static_batch)
@@ -130,37 +139,63 @@ def main() -> None:
             decomposition_table())
 
     autotune = {"max_autotune": True, "coordinate_descent_tuning": True}
-    variants = [  # name, batch fixed at 1, projections fused, Inductor options
-        ("AOTI as built (batch 1..8)", False, False, {}),
-        ("AOTI, q/k/v and gate/up fused (generation.fuse_projections)", False, True, {}),
-        ("AOTI, fused, batch 1, max-autotune + coordinate descent", True, True, autotune),
-        ("AOTI + coordinate-descent tuning", False, False, {"coordinate_descent_tuning": True}),
-        ("AOTI, batch fixed at 1", True, False, {}),
-        ("AOTI, batch 1, max-autotune + coordinate descent", True, False, autotune),
+    variants = [  # name, batch fixed at 1, projections fused, Inductor options, SDPA backend preferred
+        ("AOTI, unfused (batch 1..8)", False, False, {}, "auto"),
+        ("AOTI, q/k/v and gate/up fused (generation.fuse_projections, as built)", False, True, {}, "auto"),
+        ("AOTI, fused, batch 1, max-autotune + coordinate descent", True, True, autotune, "auto"),
+        ("AOTI, fused, batch 1..8, max-autotune + coordinate descent", False, True, autotune, "auto"),
+        ("AOTI, batch 1, max-autotune + coordinate descent", True, False, autotune, "auto"),
+        ("AOTI, fused, memory-efficient attention first", False, True, {}, "efficient"),
+        ("AOTI, fused, FlashAttention first", False, True, {}, "flash"),
     ]
+    def fresh_call(package: Path):
+        # a container whose run was captured cannot run outside the graph: each capture gets its own
+        runner = load_package(package)
+        return lambda: runner(ids, pad, where, kv)
+
     programs = {}
-    for name, static, fuse, configs in variants:
+    packages: dict[str, Path] = {}
+    row: dict
+    only = {int(n) for n in args.only.split(",") if n}
+    for number, (name, static, fuse, configs, backend) in enumerate(variants, 1):
+        if only and number not in only:
+            continue
         if time.perf_counter() - start > args.budget_s:
             rows.append({"variant": name, "skipped": "time budget spent"})
             continue
         try:
-            if (static, fuse) not in programs:
-                programs[(static, fuse)] = export(static, fuse)
+            if (static, fuse, backend) not in programs:
+                programs[(static, fuse, backend)] = export(static, fuse, backend)
             t0 = time.perf_counter()
             path = out.parent / f"probe-{len(rows)}.pt2"
-            torch._inductor.aoti_compile_and_package(programs[(static, fuse)], package_path=str(path),
-                                                     inductor_configs={"cpp.vec_isa_ok": False, **configs})
+            with backend_context(backend, "cuda"):
+                torch._inductor.aoti_compile_and_package(programs[(static, fuse, backend)], package_path=str(path),
+                                                         inductor_configs={"cpp.vec_isa_ok": False, **configs})
             build_s = time.perf_counter() - t0
-            def fresh_call(package=path):
-                # a container whose run was captured cannot run outside the graph: the graph gets its own
-                runner = load_package(package)
-                return lambda: runner(ids, pad, where, kv)
-
             with torch.inference_mode():
-                row = {"variant": name, "build_s": build_s, "graph_ms": graph_ms(fresh_call)}
-                row.update(profile_step(fresh_call()))
+                row = {"variant": name, "build_s": build_s, "graph_ms": graph_ms(functools.partial(fresh_call, path))}
+                row.update(profile_step(fresh_call(path)))
         except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, the others still run
-            row = {"variant": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            row = {"variant": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}",
+                   "traceback": traceback.format_exc()[-3000:]}
+            print(row["traceback"], flush=True)
+        rows.append(row)
+        print(json.dumps(row)[:400], flush=True)
+        if "graph_ms" in row:
+            packages[name] = path
+    # the same packages with cuBLASLt behind their matrix products (the extern mm calls ATen's BLAS)
+    for name, path in list(packages.items())[:3] if args.blaslt else []:
+        if time.perf_counter() - start > args.budget_s + 60:
+            break
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        try:
+            with torch.inference_mode():
+                row = {"variant": f"{name}, cuBLASLt", "graph_ms": graph_ms(functools.partial(fresh_call, path))}
+                row.update(profile_step(fresh_call(path)))
+        except Exception as exc:  # noqa: BLE001
+            row = {"variant": f"{name}, cuBLASLt", "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        finally:
+            torch.backends.cuda.preferred_blas_library("cublas")
         rows.append(row)
         print(json.dumps(row)[:400], flush=True)
     limit_ms = weights / 4.17e12 * 1e3

@@ -2,7 +2,7 @@
 # On the GPU machine: a Llama-3.2-1B-shaped decoder (random weights, bf16) converted with
 # --task text-generation on h100-bf16 (exported program + AOTI prefill and decode over a static KV cache),
 # judged step by step against the float64 reference and timed against transformers' generate().
-#   bash scripts/gpu_generation.sh          # one 10-minute call
+#   bash scripts/gpu_generation.sh [CONVERT OPTIONS...]   # one 10-minute call; options go to exporter convert
 # $OUT/summary.md: the report's tables; $OUT/generation.tar.gz: report.md, report.json and the logs.
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -26,7 +26,7 @@ PY
 echo "checkpoint written in $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.md"
 start=$(date +%s)
 timeout "${LIMIT:-480}" python3 -m exporter convert "$work/llama1b" --recipe h100-bf16 --task text-generation \
-  -t exported_program -t aoti --out "$work/gen" > "$work/stdout.txt" 2> "$work/stderr.txt"
+  -t exported_program -t aoti --out "$work/gen" "$@" > "$work/stdout.txt" 2> "$work/stderr.txt"
 echo "## convert: exit code $? in $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.md"
 cat "$work/gen/report.md" >> "$OUT/summary.md" 2>/dev/null || tail -30 "$work/stderr.txt" | tee -a "$OUT/summary.md"
 grep -v "Writing model" "$work/stderr.txt" | tail -25

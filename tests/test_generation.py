@@ -49,6 +49,7 @@ def test_llama_prefill_and_decode_match_the_float64_reference(llama_generation):
         assert numerics["nonfinite_logits"] == 0  # the left-padded row stays finite
         assert entry["programs"]["prefill"] == {"sdpa": 2, "softmax": 0}
         assert entry["programs"]["decode"] == {"sdpa": 2, "softmax": 0}
+        assert len(entry["fused_projections"]) == 4  # q/k/v and gate/up of both layers (the default)
         for label in ("batch_1", "batch"):
             timing = entry["bench"][label]
             assert timing["decode"]["median_ms"] > 0 and timing["prefill"]["median_ms"] > 0
@@ -56,6 +57,10 @@ def test_llama_prefill_and_decode_match_the_float64_reference(llama_generation):
     files = {f["path"] for a in report["artifacts"] for f in a["files"]}
     assert {"prefill.pt2", "decode.pt2", "prefill.aoti.pt2", "decode.aoti.pt2", "aoti_loader.py",
             "generation.aoti.weights.safetensors"} <= files
+    decode = torch.export.load(str(llama_generation.out / "decode.pt2"))  # one weight per fused group, no other
+    weights = [s.target for s in decode.graph_signature.input_specs if s.kind.name == "PARAMETER"]
+    assert not any(name.endswith(("k_proj.weight", "v_proj.weight", "up_proj.weight")) for name in weights)
+    assert sum(name.endswith("fused.weight") for name in weights) == 4
     assert "Numerics" in (llama_generation.out / "report.md").read_text()
 
 
@@ -79,6 +84,7 @@ def test_the_aoti_programs_share_one_copy_of_the_weights(llama_generation):
     prefill, decode, fresh = steps.prefill.constants, steps.decode.constants, steps.fresh_decode().constants
     shared = set(prefill) & set(decode)
     assert shared and set(prefill) | set(decode) <= params
+    assert sum(n.endswith("fused.weight") for n in shared) == 4  # the fused weights are shared too
     # the decode programs use the prefill's tensors themselves: one copy of the weights in memory
     assert all(decode[n].data_ptr() == prefill[n].data_ptr() == fresh[n].data_ptr() for n in shared)
 

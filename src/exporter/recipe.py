@@ -89,7 +89,7 @@ class GenerationSection:
     new_tokens: int = 8  # greedy steps the gate judges (teacher-forced) and generates
     bench_tokens: int = 32  # decode steps timed after the prompt
     cuda_graph: bool = True  # also time the decode replayed from a CUDA graph (CUDA only)
-    fuse_projections: bool = False  # export the linears that read one input (q, k, v; gate, up) as one product
+    fuse_projections: bool = True  # export the linears that read one input (q, k, v; gate, up) as one product
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,8 @@ def export_steps(step: DecoderStep, layout: CacheLayout, batch: int, prompt: int
     exported.fused = [g.to_dict() for g in groups]
     if fuse:
         exported.notes.append(f"{len(groups)} groups of linears that read one input exported as one matrix product "
-                              "each (generation.fuse_projections)")
+                              "each (generation.fuse_projections)" if groups else
+                              "no linears that read one input to fuse (generation.fuse_projections)")
     return exported
 
 

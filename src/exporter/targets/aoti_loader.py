@@ -153,7 +153,8 @@ def capture(call: Any) -> Any:
     The capture is relaxed: an AOTInductor container asks whether its previous run's event has finished
     (``cudaEventQuery``) before each run, which the default capture mode forbids ("operation failed due to a
     previous error during capture"). A container whose run was captured cannot run outside the graph again:
-    capture an instance of its own (``CudaGraphed`` does)."""
+    capture an instance of its own (``CudaGraphed`` does), and keep it alive while the graph replays: a container
+    frees its memory when it goes, and a replay would then read freed memory (an illegal address)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
