@@ -1,13 +1,16 @@
 """On the GPU machine: where the AOTI decode step of a 1B decoder spends its time, and what Inductor options buy.
 
-    PYTHONPATH=src python3 scripts/gpu_decode_probe.py [--budget-s 420]     # one 10-minute call
+    PYTHONPATH=src python3 scripts/gpu_decode_probe.py [--budget-s 420] [--only 1,2,3] [--no-eager] [--blaslt]
 
+(one 10-minute call builds about four variants; docs/runs/h100-bf16-decode-probe-fused.md took two.)
 Builds the Llama-3.2-1B-shaped decoder of scripts/gpu_generation.sh (random weights, bf16, SDPA), exports its
-decode step as ``exporter convert --task text-generation`` does (batch 1..8 dynamic, 512-slot cache), compiles
-it with AOTInductor under each variant's Inductor options, and for each: the time per token at batch 1
+decode step as ``exporter convert --task text-generation`` does (batch 1..8 dynamic, 512-slot cache), each
+variant with or without the projections fused, the batch fixed or not, an SDPA backend preferred, and compiles
+it with AOTInductor under the variant's Inductor options; for each: the time per token at batch 1
 replayed from a CUDA graph (relaxed capture, as the product times it), the number of kernels one step
 launches and the top kernels by time (torch.profiler). The eager model's step replayed from a graph is the
-first row. Variants are built in order until the time budget is spent. Writes $OUT/decode-probe.{json,md}.
+first row. Variants are built in order until the time budget is spent; ``--blaslt`` re-times the first three
+packages with cuBLASLt preferred. Writes $OUT/decode-probe.{json,md}.
 """
 
 from __future__ import annotations
