@@ -14,7 +14,8 @@ buffers a CUDA graph can replay.
 
 The step builds the attention mask itself (4-D, additive: 0 where a query may look, the dtype's lowest
 value elsewhere — never ``-inf``, so a query row that sees only padding gives finite garbage at a padded
-position instead of NaN that would reach every later token through the cache) and the position ids
+position in every kernel, a plain softmax included, instead of NaN that would reach every later token
+through the cache) and the position ids
 (``cumsum(padding_mask) - 1``: a left-padded row starts at position 0, as ``generate`` counts them).
 
 The model contract, which transformers decoders meet as they are and a factory model must meet to be

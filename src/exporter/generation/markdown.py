@@ -86,8 +86,9 @@ def render(report: dict[str, Any]) -> str:
             lines.append(f"- {row['name']}: CUDA-graph capture failed: {graph.get('error')}")
         programs = row.get("programs")
         if programs:
+            attend = "Attention" if row["name"] == "onnx" else "sdpa"  # what SDPA is in an ONNX graph
             lines.append(f"- {row['name']} programs: " + "; ".join(
-                f"{name}: sdpa ×{ops['sdpa']}, softmax ×{ops['softmax']}" for name, ops in programs.items())
+                f"{name}: {attend} ×{ops['sdpa']}, softmax ×{ops['softmax']}" for name, ops in programs.items())
                 + (f"; {len(row['fused_projections'])} groups of linears fused into one product each"
                    if row.get("fused_projections") else ""))
     attention = report["attention"]

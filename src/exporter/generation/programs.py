@@ -11,8 +11,11 @@ passes. Files per target:
   ``weights`` and ``constants``): one copy of the weights on disk and on the device, not one per program;
   ``aoti_loader.py`` is beside them.
 
-ONNX has no in-place input updates: a past-key-values ONNX export would return the whole cache from every
-step; it is not built here and the report says so. ``load_steps`` loads a target's two programs back.
+- ``onnx``: ``prefill.onnx`` and ``decode.onnx``, which take the cache and return it updated (ONNX has no
+  in-place input update: ``onnx_programs``), with ``generation.onnx.data`` holding the weights of both once;
+  built for CPU float32 recipes (``onnx_programs.refusal``).
+
+``load_steps`` loads a target's two programs back.
 """
 
 from __future__ import annotations
@@ -25,22 +28,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn as nn
 
 from ..attention_backend import backend_context
 from ..rewrite.fused_projections import fused_projections
 from ..rewrite.graph_facts import count_graph_ops
 from ..targets.exported_program import decomposition_table
+from . import onnx_programs
 from .cache import CacheLayout, DecoderStep
 from .driver import Steps
 
-BUILT = ("exported_program", "aoti")
+BUILT = ("exported_program", "aoti", "onnx")
 NOT_BUILT = {
-    "onnx": "not built for text-generation: ONNX has no in-place cache update, and a past-key-values export "
-            "(the whole cache in and out of every step) is not implemented here",
     "compile": "not built for text-generation: the AOTI decode replayed in a CUDA graph is the compiled decode "
                "this run times",
 }
-FILES = {"exported_program": ("prefill.pt2", "decode.pt2"), "aoti": ("prefill.aoti.pt2", "decode.aoti.pt2")}
+FILES = {"exported_program": ("prefill.pt2", "decode.pt2"), "aoti": ("prefill.aoti.pt2", "decode.aoti.pt2"),
+         "onnx": onnx_programs.FILES}
 WEIGHTS = "generation.aoti.weights.safetensors"  # the weights of both AOTI programs, once
 
 
@@ -51,6 +55,9 @@ class Exported:
     export_s: float
     notes: list[str] = field(default_factory=list)
     fused: list[dict[str, Any]] = field(default_factory=list)  # projections computed as one product (groups)
+    layers: int = 0
+    past: tuple[Any, Any] | None = None  # the same two programs as onnx_programs.PastStep (cache in and out)
+    past_error: str | None = None  # why those could not be exported
 
 
 def _examples(layout: CacheLayout, batch: int, prompt: int, cache_length: int, dtype, device):
@@ -64,10 +71,12 @@ def _examples(layout: CacheLayout, batch: int, prompt: int, cache_length: int, d
 
 
 def export_steps(step: DecoderStep, layout: CacheLayout, batch: int, prompt: int, cache_length: int,
-                 dtype: torch.dtype, device: str, fuse: bool = False) -> Exported:
+                 dtype: torch.dtype, device: str, fuse: bool = False, past: bool = False) -> Exported:
     """Both programs, decomposed to core ATen with SDPA kept. Named dims first; on a guard torch cannot prove
     over the range (seen on CUDA) the same ranges as ``Dim.DYNAMIC`` hints, noted. ``fuse``: the linears that
-    read one tensor (q, k, v; gate, up) exported as one product each (``rewrite.fused_projections``)."""
+    read one tensor (q, k, v; gate, up) exported as one product each (``rewrite.fused_projections``). ``past``:
+    also both programs as ``onnx_programs.PastStep`` (the cache in and out), for ONNX; a failure there is
+    recorded (``past_error``) and leaves the other programs be."""
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
         groups = []
@@ -75,7 +84,16 @@ def export_steps(step: DecoderStep, layout: CacheLayout, batch: int, prompt: int
             _, probe_args = _examples(layout, 1, prompt, cache_length, dtype, device)
             groups = stack.enter_context(fused_projections(step.model, lambda: step(*probe_args)))
         exported = _export_both(step, layout, batch, prompt, cache_length, dtype, device)
+        if past:
+            try:
+                both = _export_both(onnx_programs.PastStep(step), layout, batch, prompt, cache_length, dtype, device)
+                exported.past = (both.prefill, both.decode)
+            except Exception as exc:  # the ONNX target fails with it; the others are built
+                from ..errors import describe  # noqa: PLC0415
+
+                exported.past_error = describe(exc)
     exported.export_s = time.perf_counter() - t0
+    exported.layers = layout.layers
     exported.fused = [g.to_dict() for g in groups]
     if fuse:
         exported.notes.append(f"{len(groups)} groups of linears that read one input exported as one matrix product "
@@ -84,7 +102,7 @@ def export_steps(step: DecoderStep, layout: CacheLayout, batch: int, prompt: int
     return exported
 
 
-def _export_both(step: DecoderStep, layout: CacheLayout, batch: int, prompt: int, cache_length: int,
+def _export_both(step: nn.Module, layout: CacheLayout, batch: int, prompt: int, cache_length: int,
                  dtype: torch.dtype, device: str) -> Exported:
     prefill_args, decode_args = _examples(layout, batch, prompt, cache_length, dtype, device)
     notes: list[str] = []
@@ -122,9 +140,22 @@ def attention_ops(program: Any) -> dict[str, int]:
     return {"sdpa": ops["sdpa"], "softmax": ops["softmax"]}
 
 
-def build(target: str, exported: Exported, staging: Path, device: str, attention_backend: str) -> list[Path]:
+def target_attention(target: str, exported: Exported, staging: Path) -> dict[str, dict[str, int]]:
+    """What each of a built target's programs runs its attention as (ONNX: ``Attention`` nodes count as SDPA)."""
+    if target == "onnx":
+        return {label: onnx_programs.attention_ops(staging / name) for label, name in zip(("prefill", "decode"),
+                                                                                       onnx_programs.FILES)}
+    return {"prefill": attention_ops(exported.prefill), "decode": attention_ops(exported.decode)}
+
+
+def build(target: str, exported: Exported, staging: Path, device: str, attention_backend: str,
+          onnx_opset: int = 23) -> list[Path]:
     """Write one target's two programs into ``staging``; returns the files written."""
     prefill_file, decode_file = (staging / name for name in FILES[target])
+    if target == "onnx":
+        if exported.past is None:
+            raise RuntimeError(f"the programs with the cache in and out could not be exported: {exported.past_error}")
+        return onnx_programs.build(*exported.past, exported.layers, staging, onnx_opset)
     if target == "exported_program":
         torch.export.save(exported.prefill, str(prefill_file))
         torch.export.save(exported.decode, str(decode_file))
@@ -169,6 +200,8 @@ def load_steps(target: str, folder: Path, layout: CacheLayout, cache_length: int
     """A built target's programs, callable as ``Steps``."""
     prefill_file, decode_file = (folder / name for name in FILES[target])
     fresh = None
+    prefill: Any
+    decode: Any
     if target == "exported_program":
         prefill = torch.export.load(str(prefill_file)).module()
         decode = torch.export.load(str(decode_file)).module()
@@ -179,6 +212,8 @@ def load_steps(target: str, folder: Path, layout: CacheLayout, cache_length: int
         prefill = load_package(prefill_file, weights=weights)
         decode = load_package(decode_file, weights=weights, constants=prefill.constants)
         fresh = lambda: load_package(decode_file, weights=weights, constants=prefill.constants)  # noqa: E731
+    elif target == "onnx":
+        prefill, decode = onnx_programs.OnnxStep(prefill_file), onnx_programs.OnnxStep(decode_file)
     else:
         raise ValueError(f"no generation programs for target {target!r}")
     return Steps(prefill, decode, layout, cache_length, dtype, device, fresh)

@@ -39,7 +39,8 @@ from . import bench
 from .cache import DecoderStep, probe_layout
 from .driver import Prompt, Steps, generate
 from .judge import judge_steps, step_bars
-from .programs import BUILT, FILES, NOT_BUILT, attention_ops, build, export_steps
+from .onnx_programs import refusal as onnx_refusal
+from .programs import BUILT, FILES, NOT_BUILT, build, export_steps, target_attention
 from .reference import forced_logits, reference_generation
 from .session import MANIFEST, REFERENCE, finite
 
@@ -193,12 +194,13 @@ def convert_generation(checkpoint: Path, recipe: Recipe, staging: Path, allow_dr
 
         exported = None
         artifacts: list[dict[str, Any]] = []
-        wanted = [t for t in recipe.targets.build if t in BUILT]
+        onnx_why = onnx_refusal(device, dtype_name)
+        wanted = [t for t in recipe.targets.build if t in BUILT and not (t == "onnx" and onnx_why)]
         if wanted:
             with progress.stage("export", "prefill and decode programs"):
                 try:
                     exported = export_steps(step, layout, gen.batch, gen.prompt_length, gen.max_cache_len, dtype,
-                                            device, fuse=gen.fuse_projections)
+                                            device, fuse=gen.fuse_projections, past="onnx" in wanted)
                 except Exception as exc:
                     warnings.append(f"export failed: {describe(exc)}")
                     (logs / "export.log").write_text(repr(exc), encoding="utf-8")
@@ -208,8 +210,9 @@ def convert_generation(checkpoint: Path, recipe: Recipe, staging: Path, allow_dr
                                      "dtype": dtype_name, "build_s": None, "load_s": None, "notes": [],
                                      "numerics": {"passed": None}, "bench": None, "programs": None}
             artifacts.append(entry)
-            if target not in BUILT:
-                entry["error"] = NOT_BUILT.get(target, "not available for text-generation")
+            if target not in wanted:
+                entry["error"] = onnx_why if target == "onnx" and onnx_why else \
+                    NOT_BUILT.get(target, "not available for text-generation")
                 continue
             if exported is None:
                 entry.update(status="failed",
@@ -218,7 +221,8 @@ def convert_generation(checkpoint: Path, recipe: Recipe, staging: Path, allow_dr
             with progress.stage(f"build {target}"):
                 t0 = time.perf_counter()
                 try:
-                    files = build(target, exported, staging, device, recipe.runtime.attention_backend)
+                    files = build(target, exported, staging, device, recipe.runtime.attention_backend,
+                                  recipe.targets.onnx_opset)
                 except Exception as exc:
                     entry.update(status="failed", error=f"build failed: {describe(exc)}")
                     continue
@@ -227,8 +231,7 @@ def convert_generation(checkpoint: Path, recipe: Recipe, staging: Path, allow_dr
                 main = staging / FILES[target][1]
                 entry.update(path=FILES[target][1], sha256=sha256_file(main),
                              size_bytes=sum(f.stat().st_size for f in files), notes=list(exported.notes))
-                entry["programs"] = {"prefill": attention_ops(exported.prefill),
-                                     "decode": attention_ops(exported.decode)}
+                entry["programs"] = target_attention(target, exported, staging)
                 entry["fused_projections"] = exported.fused
             with progress.stage(f"validate and time {target}"):
                 result = run_session(staging, target, logs / f"{target}.log", time_it=True)
