@@ -6,7 +6,7 @@ Builds a small model's package with ``aot_inductor.package_constants_in_so = Fal
 with torch's package loader, hands it the exported program's own tensors with ``load_constants`` (user-managed:
 the package uses them in place), and compares its output with the model's. This is the building block for
 writing an artifact's weights ourselves, in slices, instead of through Inductor's in-memory blob
-(benchmarks/convert_time_notes.md).
+(docs/convert-time-notes.md).
 """
 
 from __future__ import annotations

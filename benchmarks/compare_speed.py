@@ -16,13 +16,9 @@ vocabulary at 4 × 512 (``cpu-fp32 -t exported_program``, grid off) went from 20
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from exporter.numerics.compare import Accumulator, InMemory, chunks  # noqa: E402
 

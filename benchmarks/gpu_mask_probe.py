@@ -18,13 +18,10 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 import transformers
 from torch.nn.attention import SDPBackend, sdpa_kernel
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from exporter.modelio import Signature, make_io_module  # noqa: E402
 from exporter.rewrite import rewrite_attention  # noqa: E402

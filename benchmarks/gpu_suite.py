@@ -49,8 +49,6 @@ from typing import Any, Callable
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "src"), str(ROOT / "scripts")]
-
 from exporter.measure.bench import interleaved, summarize, time_calls  # noqa: E402
 from exporter.measure.kernels import _device_backend, top_by_time  # noqa: E402
 
@@ -135,7 +133,7 @@ def models(tiny: bool) -> dict[str, Model]:
                              ["batch=2:1:4", "sequence=64:16:128"], causal_lm=True),
             "handwritten": Model("handwritten", "hand-written-attention GPT (tiny)",
                                  rows(("2 × 64", {"batch": 2, "sequence": 64})), ["batch=2:1:4", "sequence=64:16:128"],
-                                 transformers=False, factory="handwritten_gpt:build",
+                                 transformers=False, factory="exporter.testing.handwritten_gpt:build",
                                  declared=["input_ids:int64:batch,sequence:0:256",
                                            "attention_mask:int64:batch,sequence"]),
         }, tiny)
@@ -149,10 +147,10 @@ def models(tiny: bool) -> dict[str, Model]:
                                                              ("batch 1", {"batch": 1})), ["batch=8:1:256"]),
         "llama1b": Model("llama1b", "Llama-3.2-1B shape (1.24B)", rows(("4 × 2048", {"batch": 4, "sequence": 2048})),
                          ["batch=8:1:8", "sequence=512:16:4096"], causal_lm=True),
-        "handwritten": Model("handwritten", "hand-written-attention GPT, base (scripts/handwritten_gpt.py, 92M)",
+        "handwritten": Model("handwritten", "hand-written-attention GPT, base (exporter.testing.handwritten_gpt, 92M)",
                              rows(("8 × 1024", {"batch": 8, "sequence": 1024})),
                              ["batch=8:1:64", "sequence=512:16:4096"], transformers=False,
-                             factory="handwritten_gpt:build",
+                             factory="exporter.testing.handwritten_gpt:build",
                              declared=["input_ids:int64:batch,sequence:0:8192", "attention_mask:int64:batch,sequence"]),
     }, tiny)
 
@@ -200,7 +198,7 @@ def write_checkpoint(model: Model, folder: Path, tiny: bool, device: str) -> dic
     else:
         from safetensors.torch import save_model
 
-        import handwritten_gpt
+        from exporter.testing import handwritten_gpt
 
         config = dict(handwritten_gpt.SIZES["tiny" if tiny else "base"])
         module = handwritten_gpt.build(config).to(torch.bfloat16)
@@ -220,7 +218,7 @@ def load_original(model: Model, folder: Path, device: str, attention: str = "eag
     else:
         from safetensors.torch import load_file
 
-        import handwritten_gpt
+        from exporter.testing import handwritten_gpt
 
         module = handwritten_gpt.build(json.loads((folder / "config.json").read_text()))
         module.load_state_dict(load_file(str(folder / "model.safetensors")))

@@ -10,7 +10,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/suite-out}
 mkdir -p "$out"
-export PYTHONPATH=src:scripts PYTHONUNBUFFERED=1
+export PYTHONPATH=src PYTHONUNBUFFERED=1
 export TORCHINDUCTOR_CACHE_DIR=/tmp/exporter-suite/inductor-cache
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

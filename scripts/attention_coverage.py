@@ -4,10 +4,10 @@
     python scripts/attention_coverage.py --out -          # prints it instead
     python scripts/attention_coverage.py --no-onnx        # skip the ONNX column (faster)
 
-Exits 1 (after writing the table) when a row is not as tests/attention_zoo.py expects: a listed spelling
+Exits 1 (after writing the table) when a row is not as src/exporter/testing/attention_zoo.py expects: a listed spelling
 not rewritten, an unsafe one rewritten, SDPA missing from the program, or an error above 1e-4.
 
-For each case of tests/attention_zoo.py (hand-written attention, nn.MultiheadAttention,
+For each case of src/exporter/testing/attention_zoo.py (hand-written attention, nn.MultiheadAttention,
 nn.TransformerEncoderLayer/DecoderLayer) and for tiny transformers models built from
 configs (random weights), on the CPU in float32:
 
@@ -37,17 +37,16 @@ import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-import attention_zoo as zoo  # noqa: E402
 from exporter.measure.kernels import profile  # noqa: E402
 from exporter.modelio import Signature, discover_outputs, make_io_module  # noqa: E402
 from exporter.rewrite import rewrite_attention  # noqa: E402
 from exporter.rewrite.graph_facts import count_graph_ops  # noqa: E402
 from exporter.rewrite.onnx_attention_masks import expand_attention_masks  # noqa: E402
+from exporter.testing import attention_zoo as zoo  # noqa: E402
 
 TIMM_REASON = ("not run here: timm needs torchvision, and PyPI's torchvision wheel does not load beside "
                "torch 2.13.0+cpu (its C++ ops fail to register)")
@@ -202,8 +201,9 @@ def render(rows: list[dict], onnx: bool, seconds: float) -> str:
         f"torch {torch.__version__}, transformers {transformers.__version__}{ort_version}; "
         f"{seconds:.0f} s. CPU, float32.",
         "",
-        "Each row is a two-layer model (the cases are in `tests/attention_zoo.py`; the transformers rows are tiny "
-        "models built from configs with random weights, loaded with eager attention). Columns: attention sites "
+        "Each row is a two-layer model (the cases are in `src/exporter/testing/attention_zoo.py`; the transformers "
+        "rows are tiny models built from configs with random weights, loaded with eager attention). Columns: "
+        "attention sites "
         "found by `rewrite_attention` on batch 2 × seq 32, and how many were rewritten to SDPA, were SDPA "
         "already, or were skipped; SDPA and softmax nodes in the rewritten model's exported program "
         "(named dynamic dims batch 1–8, sequence 2–64, decomposed as the `exported_program` target does); the "

@@ -2,7 +2,7 @@
 
     python scripts/error_catalogue.py [docs/errors.md]
 
-The cases live in tests/error_cases.py (tests/test_errors.py runs the same cases as tests); the
+The cases live in src/exporter/testing/error_cases.py (tests/test_errors.py runs the same cases as tests); the
 messages in the document are what the command printed.
 """
 
@@ -12,14 +12,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+from exporter.testing.error_cases import CASES, error_line, make_assets, run
 
-from error_cases import CASES, error_line, make_assets, run  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 HEADER = """# Bad input and faults: the catalogue
 
-Every case below is a test (`tests/test_errors.py` runs `tests/error_cases.py` through the command
+Every case below is a test (`tests/test_errors.py` runs `src/exporter/testing/error_cases.py` through the command
 line) and this page is generated from those runs by `python scripts/error_catalogue.py`: the messages
 are what `exporter` printed. In every failing case the command prints exactly one `error:` line with
 a fix, no traceback (set `EXPORTER_DEBUG=1` for one), and leaves no output folder and no staging
@@ -47,14 +46,14 @@ failures are Python exceptions, caught per target (the C++ compiler runs as its 
 
 ## Fuzzing the checkpoint reader
 
-`tests/test_fuzz_checkpoint.py` feeds `open_checkpoint` and the reading of every tensor with raw bytes,
+`tests/checkpoint/test_fuzz_checkpoint.py` feeds `open_checkpoint` and the reading of every tensor with raw bytes,
 mutations of a valid file (byte flips, truncation, insertion, a rewritten length field) and
 well-formed-looking headers with wrong dtypes, shapes, offsets and extra keys. The only exception that
 may come out is `CheckpointError` (exit 2, one line); a hang kills the run (60 s watchdog per case).
 
 - Quick slice, in every test run: 60 cases per strategy plus 60 consistent files that must load and
   60 random shard indexes.
-- Fuzz run, `EXPORTER_FUZZ_EXAMPLES=3000 python -m pytest tests/test_fuzz_checkpoint.py -m fuzz`
+- Fuzz run, `EXPORTER_FUZZ_EXAMPLES=3000 python -m pytest tests/checkpoint/test_fuzz_checkpoint.py -m fuzz`
   (2-core x86_64, 2026-11-29): 9,000 cases in 20 s — 8,878 `CheckpointError`, 122 files that loaded,
   0 other exceptions, 0 hangs. CI runs the fuzz run at 1,500 cases per strategy.
 
@@ -68,7 +67,7 @@ by upcasting each module only while it runs. Its peak resident memory stays with
 
 where 768 MiB bounds the interpreter, torch and exporter themselves (about 0.25 GiB measured) and the
 transients (one module's weights in float64 during the reference, one tensor while `model.pt2` is
-written). `tests/test_memory.py` converts a 1.07 GB checkpoint (16 × 4096² linear layers, recipe
+written). `tests/measure/test_memory.py` converts a 1.07 GB checkpoint (16 × 4096² linear layers, recipe
 `exported_program` only) and reads the report's `memory.convert_peak_rss_bytes` (the process's own
 `VmHWM`): 1.52 GiB, 1.52 × the checkpoint (2-core x86_64, torch 2.13, 2026-11-29).
 

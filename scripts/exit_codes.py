@@ -10,8 +10,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-
 from exporter.errors import EXIT_CODES, EXIT_INTEGRITY, EXIT_NUMERICS, EXIT_OK, EXIT_TARGET, VERIFY_PRECEDENCE  # noqa: E402
 
 DOC = ROOT / "docs" / "exit-codes.md"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,7 @@ def every_report_validates(tmp_path_factory):
     """After the session: every report.json any test wrote validates against the shipped JSON Schema."""
     yield
     jsonschema = pytest.importorskip("jsonschema")
-    from exporter.generation.run import report_schema as generation_schema
+    from exporter.report.generation import report_schema as generation_schema
     from exporter.report import report_schema
 
     validator = jsonschema.Draft202012Validator(report_schema(), format_checker=jsonschema.FormatChecker())
@@ -137,14 +139,29 @@ def raises(config=None):
 
 
 @pytest.fixture
-def factory_module(tmp_path, monkeypatch):
-    """A user package on sys.path with a factory; returns (module name, folder)."""
-    package = tmp_path / "userpkg"
-    package.mkdir()
+def user_module(tmp_path, monkeypatch):
+    """``write(name, source)``: a user's model module in a folder of its own, and the test working from that
+    folder, as a user runs ``exporter convert --model module:build`` from their project (exporter imports a
+    factory from the current folder); returns the module, imported the way convert imports it."""
+    from exporter.checkpoint.architecture import import_factory
+
+    def write(name: str, source: str, factory: str = "build") -> types.ModuleType:
+        package = tmp_path / "userpkg"
+        package.mkdir(exist_ok=True)
+        (package / f"{name}.py").write_text(source)
+        monkeypatch.chdir(package)
+        import_factory(f"{name}:{factory}")
+        return sys.modules[name]
+
+    return write
+
+
+@pytest.fixture
+def factory_module(tmp_path, user_module):
+    """A user package with a factory, the test working from its folder; returns (module name, folder)."""
     name = f"tiny_factory_{os.getpid()}_{abs(hash(str(tmp_path))) % 10**8}"
-    (package / f"{name}.py").write_text(FACTORY_SOURCE)
-    monkeypatch.syspath_prepend(str(package))
-    return name, package
+    module = user_module(name, FACTORY_SOURCE)
+    return name, Path(module.__file__).parent
 
 
 FACTORY_RECIPE = """
@@ -188,12 +205,10 @@ iterations = 3
 @pytest.fixture
 def factory_checkpoint(tmp_path, factory_module):
     """Weights of the factory model saved with safetensors (tied head dropped, as save_model does)."""
-    import importlib
-
     from safetensors.torch import save_model
 
     name, _ = factory_module
-    module = importlib.import_module(name)
+    module = sys.modules[name]
     torch.manual_seed(1)
     model = module.build()
     folder = tmp_path / "custom"
@@ -210,3 +225,27 @@ def write_recipe(tmp_path):
         return path
 
     return write
+
+
+@pytest.fixture(scope="session")
+def llama_generation(tiny_models, tmp_path_factory):
+    """A tiny Llama converted with --task text-generation and every generation target (one per session)."""
+    import exporter
+
+    out = tmp_path_factory.mktemp("generation") / "llama"
+    result = exporter.convert(tiny_models["llama"], "cpu-fp32", out, task="text-generation",
+                              targets=("exported_program", "aoti", "onnx"))
+    return result
+
+
+@pytest.fixture(scope="session")
+def generate_cli():
+    """``exporter generate`` in a fresh process."""
+    import subprocess
+    import sys
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "exporter", "generate", *args], capture_output=True, text=True,
+                              timeout=600)
+
+    return run

@@ -190,12 +190,10 @@ def build(config=None):
 '''
 
 
-def test_one_failing_target_loses_none_of_the_others(tmp_path, monkeypatch):
+def test_one_failing_target_loses_none_of_the_others(tmp_path, user_module):
     from safetensors.torch import save_model
 
-    (tmp_path / "onnx_breaker.py").write_text(ONNX_BREAKER)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    import onnx_breaker
+    onnx_breaker = user_module("onnx_breaker", ONNX_BREAKER)
 
     save_model(onnx_breaker.build(), str(tmp_path / "model.safetensors"))
     recipe = dataclasses.replace(quick(), inputs=dataclasses.replace(quick().inputs, tensors=()))
@@ -236,16 +234,14 @@ def test_no_rewrite_leaves_attention_as_written(tmp_path, monkeypatch):
 
     from exporter.rewrite import OFF
 
-    scripts = Path(__file__).resolve().parents[1] / "scripts"
-    subprocess.run([sys.executable, str(scripts / "handwritten_gpt.py"), str(tmp_path / "gpt"), "--size", "tiny"],
+    subprocess.run([sys.executable, "-m", "exporter.testing.handwritten_gpt", str(tmp_path / "gpt"), "--size", "tiny"],
                    check=True, capture_output=True)
-    monkeypatch.syspath_prepend(str(scripts))
     declared = dict(dims=("batch=2:1:4", "sequence=32:2:128"),
                     tensors=("input_ids:int64:batch,sequence:0:256", "attention_mask:int64:batch,sequence"))
     runs = {}
     for rewrite in (True, False):
         runs[rewrite] = exporter.convert(tmp_path / "gpt", "cpu-fp32", tmp_path / f"out-{rewrite}",
-                                         model="handwritten_gpt:build", rewrite=rewrite,
+                                         model="exporter.testing.handwritten_gpt:build", rewrite=rewrite,
                                          targets=("exported_program",), **declared)
         assert runs[rewrite].exit_code == 0, runs[rewrite].report["problems"]
     on, off = runs[True].report, runs[False].report
@@ -266,11 +262,9 @@ def test_attention_behind_views_is_rewritten_end_to_end(tmp_path, monkeypatch):
     the Attention op, and every artifact passes the gate over the shape grid."""
     import subprocess
 
-    scripts = Path(__file__).resolve().parents[1] / "scripts"
-    subprocess.run([sys.executable, str(scripts / "handwritten_gpt.py"), str(tmp_path / "gpt"), "--size", "tiny",
+    subprocess.run([sys.executable, "-m", "exporter.testing.handwritten_gpt", str(tmp_path / "gpt"), "--size", "tiny",
                     "--layout", "flattened"], check=True, capture_output=True)
-    monkeypatch.syspath_prepend(str(scripts))
-    result = exporter.convert(tmp_path / "gpt", "cpu-fp32", tmp_path / "out", model="handwritten_gpt:build",
+    result = exporter.convert(tmp_path / "gpt", "cpu-fp32", tmp_path / "out", model="exporter.testing.handwritten_gpt:build",
                               targets=("exported_program", "onnx"), dims=("batch=2:1:4", "sequence=32:2:128"),
                               tensors=("input_ids:int64:batch,sequence:0:256", "attention_mask:int64:batch,sequence"))
     report = result.report

@@ -1,4 +1,4 @@
-"""Every case of the error catalogue (tests/error_cases.py) through the real command line.
+"""Every case of the error catalogue (src/exporter/testing/error_cases.py) through the real command line.
 
 Each must exit with its documented code, print one `error:` line that names the problem (and a fix),
 print no traceback, and leave no output folder and no staging folder behind.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from error_cases import CASES, Case, error_line, make_assets, run
+from exporter.testing.error_cases import CASES, Case, error_line, make_assets, run
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def test_nan_weights_are_a_warning_and_a_reference_they_reach_fails_every_candid
     float64 reference holds NaN there and the gate fails closed (it once passed: every bar was infinite)."""
     import json
 
-    from error_cases import _with_nan, convert
+    from exporter.testing.error_cases import _with_nan, convert
 
     case_argv = convert(_with_nan(assets, tmp_path), tmp_path)
     result = run(Case("NaN weights", "checkpoint", case_argv, 3, "", output_allowed=True), cwd=tmp_path)

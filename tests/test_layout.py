@@ -1,8 +1,10 @@
-"""The house: no import cycles, a short top level, one home for the facts that were written twice."""
+"""The house: no import cycles (type-only imports included), no test folders on ``sys.path``, a short top level,
+one home for the facts that were written twice."""
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,20 +23,12 @@ def module_name(path: Path) -> str:
 MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def _imports(tree: ast.AST):
-    """Every import statement, at any depth (lazy ones too), except under ``if TYPE_CHECKING:``."""
+    """Every import statement, at any depth: lazy ones and those under ``if TYPE_CHECKING:`` too (a type-only
+    import is a dependency the day its guard goes)."""
     stack = [tree]
     while stack:
         node = stack.pop()
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            stack.extend(node.orelse)
-            continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
         stack.extend(ast.iter_child_nodes(node))
@@ -110,6 +104,59 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_module_imports_one_that_imports_it_back():
     graph = {name: imported_modules(name, path) for name, path in MODULES.items()}
     assert cycles(graph) == []
+
+
+def test_a_type_only_import_counts():
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .recipe import Recipe\n")
+    assert sorted(node.module for node in _imports(tree) if isinstance(node, ast.ImportFrom)) == ["recipe", "typing"]
+
+
+def test_no_folder_is_put_on_sys_path_by_hand():
+    """tests/, scripts/ and benchmarks/ import the shared models and catalogues from ``exporter.testing``."""
+    edit = re.compile(r"sys\.path\s*(\.insert|\.append|\.extend|\[|\+=|=)|syspath_prepend\(")
+    found = []
+    for folder in ("tests", "scripts", "benchmarks"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if edit.search(line):
+                    found.append(f"{path.relative_to(ROOT)}:{number}")
+    assert found == [], found
+
+
+def test_one_dtype_table():
+    """Every dtype fact comes from exporter.dtypes; the loader shipped beside AOTI packages (which cannot import
+    exporter) holds the one copy, and it agrees."""
+    import torch
+
+    from exporter import dtypes
+    from exporter.targets import aoti_loader
+
+    assert {code: dtypes.from_safetensors(code) for code in aoti_loader.SAFETENSORS_DTYPES} == \
+        aoti_loader.SAFETENSORS_DTYPES
+    assert all(dtypes.torch_dtype(d.name).itemsize == d.itemsize for d in dtypes.DTYPES)
+    assert dtypes.torch_dtype("bfloat16") is torch.bfloat16 and dtypes.name_of(torch.float16) == "float16"
+    tables = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name in ("dtypes.py", "aoti_loader.py"):
+            continue
+        text = path.read_text(encoding="utf-8")
+        if '"BF16"' in text or "2.0**-8" in text or '"bfloat16": torch.bfloat16' in text:
+            tables.append(str(path.relative_to(PACKAGE)))
+    assert tables == [], tables
+
+
+def test_one_exit_code_rule_and_one_timing_loop():
+    """Statuses become an exit code in ``results.exit_code`` only (verify's own checks have their precedence table
+    in ``errors``); device clocks are read in ``measure/bench`` only."""
+    rule, clocks = [], []
+    for path in PACKAGE.rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        where = str(path.relative_to(PACKAGE))
+        if "EXIT_NUMERICS" in text and where not in ("errors.py", "results.py", "verify.py"):
+            rule.append(where)
+        if "Event(enable_timing" in text and where != "measure/bench.py":
+            clocks.append(where)
+    assert rule == [] and clocks == [], (rule, clocks)
 
 
 def test_the_cycle_finder_finds_a_cycle():

@@ -35,7 +35,8 @@ LOADERS = textwrap.dedent('''
 ''')
 
 # The child process imports sitecustomize from its PYTHONPATH at start: it adds the test's targets to the
-# target list there (the library has no plugin path; this is the one place a test reaches into it).
+# target list there (the library has no plugin path; this is the one place a test reaches into it). The test's
+# own process is left as it is: only the children's environment names the folder.
 REGISTER = textwrap.dedent('''
     import exporter.targets as targets
     from exporter.targets.spec import Target
@@ -50,7 +51,7 @@ REGISTER = textwrap.dedent('''
 def loaders(tmp_path, monkeypatch):
     (tmp_path / "crashing_loaders.py").write_text(LOADERS)
     (tmp_path / "sitecustomize.py").write_text(REGISTER)
-    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     return "crashing_loaders"
 
 

@@ -1,5 +1,5 @@
 """What lets a convert scale: the ONNX decision on a GPU recipe, the benchmark's time cap, the process-tree
-memory sampler, the fast AOTInductor loader, and comparisons that stream (tests/test_compare.py)."""
+memory sampler, the fast AOTInductor loader, and comparisons that stream (tests/numerics/test_compare.py)."""
 
 from __future__ import annotations
 

@@ -25,6 +25,7 @@ from .prepare import original_module
 from .progress import Progress
 from .quiet import quiet_libraries
 from .recipe import Recipe, apply_settings, load_recipe
+from .report.assemble import checkpoint_dtypes
 from .rewrite import rewrite_attention
 
 
@@ -136,10 +137,6 @@ def inspect(checkpoint: str | Path, recipe: str | Path | Recipe = "cpu-fp32", *,
     signature = Signature(plan.names, outputs)
     original = original_module(loaded, signature)
     _, audit = rewrite_attention(original, [plan.samples[0][n] for n in plan.names])
-    dtypes: dict[str, int] = {}
-    for info in loaded.checkpoint.entries.values():
-        key = str(info.dtype).replace("torch.", "")
-        dtypes[key] = dtypes.get(key, 0) + 1
     return {
         "checkpoint": str(checkpoint),
         "files": [str(f) for f in loaded.checkpoint.files],
@@ -149,7 +146,7 @@ def inspect(checkpoint: str | Path, recipe: str | Path | Recipe = "cpu-fp32", *,
         "architecture_source": loaded.architecture.source,
         "parameters": sum(p.numel() for p in loaded.model.parameters()),
         "tensors": len(loaded.checkpoint.entries),
-        "dtypes": dtypes,
+        "dtypes": checkpoint_dtypes(loaded.checkpoint),
         "inputs": {n: list(t.shape) for n, t in plan.samples[0].items()},
         "outputs": list(outputs),
         "attention": audit.to_dict(),

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .dtypes import name_of
 from .errors import describe
 from .measure.bench import time_calls
 from .measure.memory import peak_memory
@@ -103,7 +104,7 @@ def stream_outputs(conn: Channel, session: Session, sample: list[torch.Tensor], 
     """Run ``sample``; send its outputs' shapes and dtypes, then each output in flat chunks of ``chunk`` values,
     copied to the CPU one chunk at a time; then ``end``."""
     outputs = session.outputs(sample)
-    conn.send(("outputs", [(tuple(t.shape), str(t.dtype).replace("torch.", "")) for t in outputs]))
+    conn.send(("outputs", [(tuple(t.shape), name_of(t.dtype)) for t in outputs]))
     for index, tensor in enumerate(outputs):
         flat = tensor.reshape(-1)
         for start in range(0, flat.numel(), chunk):
@@ -130,7 +131,7 @@ def child_main(fd: int) -> None:
         path, spec = conn.recv()
     except EOFError:  # the parent went away before it needed this child
         return
-    sys.path[:] = path
+    sys.path[:] = path + [p for p in sys.path if p not in path]  # the parent's first, then this child's own
     serve(conn, spec)
 
 

@@ -257,7 +257,7 @@ def generate(out_dir, target, input_ids, max_new_tokens, as_json):
     import os
     import subprocess
 
-    from .generation import generate_tokens
+    from .generation.generate import generate_tokens
     from .targets.toolchain import aoti_preload
 
     preload = aoti_preload() if target == "aoti" else None

@@ -26,13 +26,10 @@ from safetensors.torch import load_file
 from torch.export import Dim as ExportDim
 
 from .checkpoint.files import read_header
+from .dtypes import torch_dtype
 from .errors import CheckpointError, InputsError
 from .modelio import forward_parameters, is_transformers_model
 from .recipe import Dim, InputsSection, TensorSpec
-
-TORCH_DTYPES = {  # dtype names (recipes, input declarations) to torch dtypes
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
 
 
 @dataclass
@@ -147,7 +144,7 @@ def generate_sample(specs: tuple[TensorSpec, ...], sizes: dict[str, int], seed: 
     sample: dict[str, torch.Tensor] = {}
     for spec in specs:
         shape = concrete_shape(spec, sizes)
-        dtype = TORCH_DTYPES[spec.dtype]
+        dtype = torch_dtype(spec.dtype)
         if spec.name == "attention_mask" and len(shape) == 2:
             sample[spec.name] = padding_mask(shape[0], shape[1], dtype)
         elif dtype == torch.bool:
@@ -272,7 +269,7 @@ def read_samples(path: Path, specs: tuple[TensorSpec, ...], dims: tuple[Dim, ...
         sample = {}
         for spec in specs:
             value = group[spec.name]
-            want = TORCH_DTYPES[spec.dtype]
+            want = torch_dtype(spec.dtype)
             if (value.is_floating_point() != want.is_floating_point
                     or (value.dtype == torch.bool) != (want == torch.bool)):
                 raise InputsError(f"{label}: {spec.name} has dtype {str(value.dtype).replace('torch.', '')}, "

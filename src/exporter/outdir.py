@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from . import interrupts
+from .dtypes import name_of, safetensors_code
 from .errors import OutputError
 
 
@@ -72,8 +73,6 @@ def write_json(path: Path, value: Any) -> None:
     write_atomic(path, json.dumps(value, indent=2, sort_keys=False, default=str) + "\n")
 
 
-SAFETENSORS_CODES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
-                     "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
 WRITE_CHUNK_BYTES = 64 * 2**20
 
 
@@ -96,7 +95,7 @@ def save_named_tensors(path: Path, entries: list[tuple[str, Any]]) -> None:
     offset = 0
     for key, tensor in entries:
         size = tensor.numel() * tensor.element_size()
-        header[key] = {"dtype": SAFETENSORS_CODES[str(tensor.dtype).replace("torch.", "")],
+        header[key] = {"dtype": safetensors_code(name_of(tensor.dtype)),
                        "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")

@@ -20,8 +20,9 @@ import torch
 from . import report as report_mod
 from .checkpoint import LoadedModel, check_finite, load_model
 from .checkpoint.loader import listing
+from .dtypes import torch_dtype
 from .errors import CheckpointError
-from .inputs import TORCH_DTYPES, plan_inputs
+from .inputs import plan_inputs
 from .measure.bench import benchmark, slower_than_source
 from .measure.kernels import audit_kernels
 from .modelio import Signature, discover_outputs
@@ -36,7 +37,8 @@ from .rewrite import rewrite_attention
 from .runners import RemoteRunner, Spares
 from .targets import TARGETS
 from .targets.build import build_targets
-from .targets.spec import BuildContext, ModelSource, RunnerSpec
+from .targets.context import BuildContext
+from .targets.spec import ModelSource, RunnerSpec
 
 
 def release_host_copy(model: torch.nn.Module, device: str) -> None:
@@ -136,9 +138,9 @@ class ConvertRun:
             progress.info(f"attention sites: {audit.found} found, {audit.count('rewritten')} rewritten, "
                           f"{audit.count('skipped')} skipped")
 
-        loaded.model.to(device=device, dtype=TORCH_DTYPES[dtype])
-        rewritten.to(device=device, dtype=TORCH_DTYPES[dtype])  # a rewritten graph may hold its own buffers
-        example = [(t.to(TORCH_DTYPES[dtype]) if t.is_floating_point() else t).to(device) for t in samples[0]]
+        loaded.model.to(device=device, dtype=torch_dtype(dtype))
+        rewritten.to(device=device, dtype=torch_dtype(dtype))  # a rewritten graph may hold its own buffers
+        example = [(t.to(torch_dtype(dtype)) if t.is_floating_point() else t).to(device) for t in samples[0]]
         source = ModelSource(str(self.checkpoint.resolve()), recipe.model.factory, self.allow_pickle,
                              signature.inputs, signature.outputs, str(inputs_path), recipe.runtime.rewrite_attention)
         ctx = BuildContext(rewritten, plan, recipe, self.staging, source, example)

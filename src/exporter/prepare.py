@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from .checkpoint import LoadedModel, load_model
-from .inputs import TORCH_DTYPES
+from .dtypes import torch_dtype
 from .modelio import IOModule, Signature, make_io_module
 from .rewrite import AttentionAudit, rewrite_attention
 from .targets.spec import ModelSource
@@ -39,4 +39,4 @@ def from_source(source: ModelSource) -> Prepared:
 
 
 def place(module: torch.nn.Module, device: str, dtype: str) -> torch.nn.Module:
-    return module.to(device=device, dtype=TORCH_DTYPES[dtype])
+    return module.to(device=device, dtype=torch_dtype(dtype))

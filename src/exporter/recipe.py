@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .dtypes import K_DEFAULTS, RUNTIME_DTYPES, TENSOR_DTYPES
 from .errors import RecipeError
 from .outdir import public_path
 from .targets import NAMES as TARGETS
@@ -27,13 +28,9 @@ from .targets import NAMES as TARGETS
 SCHEMA_VERSION = 1
 
 DEVICES = ("cpu", "cuda")
-RUNTIME_DTYPES = ("float32", "bfloat16", "float16")  # what a recipe may run in
-TENSOR_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "bool")
 ATTENTION_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 ONNX_DTYPES = ("auto", "float32", "recipe")
-# numerics.k when the recipe gives none: how many times the eager model's own error a candidate may make
-K_DEFAULTS = {"float64": 2.0, "float32": 2.0, "bfloat16": 3.0, "float16": 3.0}
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")

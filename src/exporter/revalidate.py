@@ -16,20 +16,20 @@ from typing import Any
 import torch
 
 from .checkpoint import load_model
+from .dtypes import torch_dtype
 from .environment import check_machine
-from .errors import EXIT_NUMERICS, EXIT_OK, EXIT_TARGET, CheckpointError, UsageError
-from .inputs import TORCH_DTYPES, plan_inputs
+from .errors import EXIT_OK, CheckpointError, UsageError
+from .inputs import plan_inputs
 from .modelio import Signature
 from .numerics.grid import plan_grid
 from .numerics.reference import Reference
-from .numerics.tolerance import ratio
 from .numerics.validation import Validation
 from .outdir import sha256_file
 from .prepare import original_module
 from .progress import Progress
 from .quiet import quiet_libraries
 from .recipe import recipe_from_dict
-from .results import FAILED, NUMERICS_FAILED, VariantResult
+from .results import FAILED, NUMERICS_FAILED, VariantResult, exit_code, problem_lines, ratio
 from .rewrite import rewrite_attention
 from .targets.spec import RunnerFailed
 from .verify import artifact_spec, device_problem, load_reference, out_folder, read_json
@@ -84,8 +84,8 @@ def validate_folder(out_dir: str | Path, *, locate: bool = False, targets: tuple
             signature = Signature(tuple(report["inputs"]["names"]), tuple(report["outputs"]))
             original = original_module(loaded, signature)
             rewritten, _ = rewrite_attention(original, list(samples[0]), apply=recipe.runtime.rewrite_attention)
-            loaded.model.to(device=device, dtype=TORCH_DTYPES[dtype])
-            rewritten.to(device=device, dtype=TORCH_DTYPES[dtype])
+            loaded.model.to(device=device, dtype=torch_dtype(dtype))
+            rewritten.to(device=device, dtype=torch_dtype(dtype))
         reference = [[t.to(device) for t in outputs] for outputs in reference]  # compared where it runs
         validation = Validation(recipe, signature, Reference(reference, "float64", 0, device=device), samples,
                                 original, lambda name: Path(logs) / f"{name.replace(':', '-')}.log")
@@ -142,10 +142,8 @@ def _worst_sample(result: VariantResult) -> int | None:
 
 
 def _summarise(out: Path, results: list[VariantResult]) -> dict[str, Any]:
-    problems = [f"{r.name}: {'numerics failed: ' if r.status == NUMERICS_FAILED else ''}{r.error}"
-                for r in results if r.status in (FAILED, NUMERICS_FAILED)]
-    code = (EXIT_NUMERICS if any(r.status == NUMERICS_FAILED for r in results)
-            else EXIT_TARGET if any(r.status == FAILED for r in results) else EXIT_OK)
+    problems = problem_lines((r.name, r.status, r.error) for r in results)
+    code = exit_code(r.status for r in results)
     return {"folder": str(out), "passed": code == EXIT_OK, "exit_code": code, "problems": problems,
             "candidates": [{"name": r.name, "target": r.target, "status": r.status, "error": r.error,
                             "device": r.device, "dtype": r.dtype,

@@ -5,11 +5,16 @@ Compiled artifacts are loaded and run in a child process (``RemoteRunner``, serv
 failed target with its signal named in the report, and the rest of the run goes on. The parent talks to
 each child over a socket, so the benchmark can still interleave all variants. The eager models run in
 the parent (``LocalRunner``).
+
+A generation target is judged and timed whole in a child of its own (:func:`run_session`, served by
+``python -m exporter.generation.session``): the request and the answer are files, the rest is the same
+crash isolation.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -23,12 +28,16 @@ import torch
 
 from . import interrupts
 from .child import WARM_ENV, Channel, Session
+from .dtypes import name_of
 from .errors import shorten
 from .measure.memory import peak_memory
 from .numerics.compare import CHUNK_ELEMENTS, chunks
+from .targets import get as get_target
 from .targets.spec import Loaded, RunnerFailed, RunnerSpec, failure_reason
+from .targets.toolchain import aoti_preload
 
 DEFAULT_TIMEOUT_S = 3600.0
+SESSION_TIMEOUT_S = 3600.0
 
 
 class LocalRunner:
@@ -45,7 +54,7 @@ class LocalRunner:
         """``("outputs", [(shape, dtype)])``, then ``("chunk", index, tensor)`` per flat chunk, on its device."""
         def events():
             outputs = self.session.outputs(sample)
-            yield "outputs", [(tuple(t.shape), str(t.dtype).replace("torch.", "")) for t in outputs]
+            yield "outputs", [(tuple(t.shape), name_of(t.dtype)) for t in outputs]
             for index, tensor in enumerate(outputs):
                 for piece in chunks(tensor, chunk):
                     yield "chunk", index, piece
@@ -92,11 +101,14 @@ def _describe_exit(code: int | None) -> str:
 
 
 def child_env(preload: str | None = None) -> dict[str, str]:
-    """The environment of a child: the parent's, its ``sys.path``, passive OpenMP threads, and ``preload``."""
+    """The environment of a child: the parent's, its ``sys.path`` (then any ``PYTHONPATH`` entry set since the
+    parent started), passive OpenMP threads, and ``preload``."""
     env = dict(os.environ)
     # Idle OpenMP threads in a child must not spin while another variant is being timed.
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    path = [p for p in sys.path if p]
+    path += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in path]
+    env["PYTHONPATH"] = os.pathsep.join(path)
     if preload:
         env["LD_PRELOAD"] = os.pathsep.join(p for p in (preload, env.get("LD_PRELOAD")) if p)
     return env
@@ -320,4 +332,30 @@ class RemoteRunner:
         self.conn.close()
 
 
-__all__ = ["RunnerFailed", "LocalRunner", "RemoteRunner", "Spares", "failure_reason", "DEFAULT_TIMEOUT_S"]
+def run_session(folder: Path, target: str, log: Path, time_it: bool, steps: int | None = None,
+                timeout_s: float = SESSION_TIMEOUT_S, scratch: Path | None = None) -> dict[str, Any]:
+    """``python -m exporter.generation.session`` for one generation target of ``folder`` in a child process (with
+    the compiler's libstdc++ preloaded for a target whose artifacts need it: ``targets.toolchain``); its request
+    and answer files go to ``scratch`` (default: the folder itself). The child's answer, or ``{"target", "error"}``
+    when it ended without one."""
+    preload = aoti_preload() if get_target(target).preload else None
+    request = (scratch or folder) / f".session-{target}.json"
+    answer = (scratch or folder) / f".session-{target}.result.json"
+    request.write_text(json.dumps({"folder": str(folder), "target": target, "time": time_it, "steps": steps}))
+    try:
+        with open(log, "ab") as out:
+            process = subprocess.run([sys.executable, "-m", "exporter.generation.session", str(request), str(answer)],
+                                     env=child_env(preload), stdout=out, stderr=out, timeout=timeout_s, check=False)
+        if not answer.is_file():
+            ended = _describe_exit(process.returncode)
+            return {"target": target, "error": f"the session process {ended} without a result (see {log.name})"}
+        return json.loads(answer.read_text(encoding="utf-8"))
+    except subprocess.TimeoutExpired:
+        return {"target": target, "error": f"the session did not finish in {timeout_s:.0f} s"}
+    finally:
+        request.unlink(missing_ok=True)
+        answer.unlink(missing_ok=True)
+
+
+__all__ = ["RunnerFailed", "LocalRunner", "RemoteRunner", "Spares", "failure_reason", "run_session",
+           "DEFAULT_TIMEOUT_S"]

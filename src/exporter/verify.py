@@ -22,6 +22,7 @@ first in ``errors.VERIFY_PRECEDENCE`` wins.
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,10 +35,10 @@ from . import junit as junit_mod
 from .errors import EXIT_ENVIRONMENT, EXIT_INTEGRITY, EXIT_NUMERICS, EXIT_OK, EXIT_TARGET, VERIFY_PRECEDENCE, UsageError
 from .junit import Case
 from .numerics.compare import InFile, Source, read_stream, safetensors_index
-from .numerics.tolerance import OutputCheck
 from .outdir import sha256_file
 from .report import REPORT_SCHEMA_VERSION
-from .runners import RemoteRunner, RunnerFailed
+from .results import OutputCheck
+from .runners import RemoteRunner, RunnerFailed, run_session
 from .targets.spec import RunnerSpec
 from .targets.toolchain import aoti_preload
 
@@ -352,10 +353,6 @@ VERIFY_STEPS = 4  # decode steps a verify re-runs (teacher-forced and free), aga
 def _rerun_generation(out: Path, entry: dict[str, Any], result: VerifyResult, timeout_s: float) -> None:
     """A short generation from the target's prefill and decode programs, in a fresh process: each step's logits
     against the stored float64 reference and the bar convert stored, and the tokens it picks."""
-    import tempfile  # noqa: PLC0415
-
-    from .generation.run import run_session  # noqa: PLC0415
-
     name = entry["name"]
     if _cannot_load_here(entry, result):
         return

@@ -1,4 +1,4 @@
-"""Stage 1, load: checkpoint files, architecture resolution, and weight assignment."""
+"""The load stage: checkpoint files, architecture resolution, and weight assignment."""
 
 from __future__ import annotations
 

@@ -22,29 +22,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ..dtypes import BY_CODE, from_safetensors
 from ..errors import CheckpointError
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit
 
-# safetensors dtype codes -> (torch dtype, bytes per element)
-SAFETENSORS_DTYPES: dict[str, tuple[torch.dtype, int]] = {
-    "BOOL": (torch.bool, 1),
-    "U8": (torch.uint8, 1),
-    "I8": (torch.int8, 1),
-    "I16": (torch.int16, 2),
-    "U16": (torch.uint16, 2),
-    "I32": (torch.int32, 4),
-    "U32": (torch.uint32, 4),
-    "I64": (torch.int64, 8),
-    "U64": (torch.uint64, 8),
-    "F16": (torch.float16, 2),
-    "BF16": (torch.bfloat16, 2),
-    "F32": (torch.float32, 4),
-    "F64": (torch.float64, 8),
-    "F8_E4M3": (torch.float8_e4m3fn, 1),
-    "F8_E5M2": (torch.float8_e5m2, 1),
-}
 
 
 @dataclass(frozen=True)
@@ -229,9 +212,9 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
         if not isinstance(spec, dict) or set(spec) - {"dtype", "shape", "data_offsets"} or len(spec) != 3:
             raise bad(f"entry {name!r} must have exactly dtype, shape and data_offsets")
         dtype_code, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
-        if not isinstance(dtype_code, str) or dtype_code not in SAFETENSORS_DTYPES:
+        if not isinstance(dtype_code, str) or dtype_code not in BY_CODE:
             raise bad(f"tensor {name!r} has unknown dtype {dtype_code!r}",
-                      f"save it in one of {', '.join(SAFETENSORS_DTYPES)}")
+                      f"save it in one of {', '.join(BY_CODE)}")
         if (not isinstance(shape, list) or len(shape) > 64
                 or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**53 for d in shape)):
             raise bad(f"tensor {name!r} has an invalid shape {str(shape)[:80]}")
@@ -239,7 +222,7 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
                 or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
             raise bad(f"tensor {name!r} has invalid data_offsets {str(offsets)[:80]}")
         begin, end = offsets
-        dtype, itemsize = SAFETENSORS_DTYPES[dtype_code]
+        dtype, itemsize = from_safetensors(dtype_code), BY_CODE[dtype_code].itemsize
         if not 0 <= begin <= end <= data_size:
             raise bad(f"tensor {name!r} has data_offsets [{begin}, {end}] outside the {data_size}-byte data section")
         expected = math.prod(shape) * itemsize
@@ -267,4 +250,4 @@ def folder_size(path: Path) -> int:
 
 
 __all__ = ["Checkpoint", "TensorInfo", "open_checkpoint", "read_header", "folder_size",
-           "PICKLE_SUFFIXES", "SAFETENSORS_DTYPES"]
+           "PICKLE_SUFFIXES"]

@@ -11,40 +11,26 @@ is timed without, and the reason is kept.
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
 from ..errors import describe
+from ..measure.bench import Timing, repeat
 from ..targets.aoti_loader import capture
 from .driver import Prompt, Steps
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+def _timed(fn: Callable[[], Any], device: str, warmup: int, rounds: int, per: int = 1) -> dict[str, Any]:
+    """``rounds`` timed calls of ``fn`` after ``warmup`` (:func:`exporter.measure.bench.repeat`), per step of
+    ``per`` steps a call."""
+    times = repeat(fn, rounds, device, warmup)
+    return Timing.of([t / per for t in times]).brief()
 
 
-def _median_ms(fn: Callable[[], Any], device: str, warmup: int, rounds: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
-
-
-def _stats(times: list[float], per: int = 1) -> dict[str, float]:
-    ordered = sorted(t / per for t in times)
-    return {"median_ms": statistics.median(ordered), "p90_ms": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
-            "rounds": len(ordered)}
+def _median(fn: Callable[[], Any], device: str, warmup: int, rounds: int) -> float:
+    return Timing.of(repeat(fn, rounds, device, warmup)).median_ms
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -61,7 +47,7 @@ def copy_bandwidth(device: str, megabytes: int = 1024) -> float | None:
         return None
     src = torch.empty(megabytes * 2**20, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    times = _median_ms(lambda: dst.copy_(src), device, 3, 10)
+    times = repeat(lambda: dst.copy_(src), 10, device, warmup=3)
     return 2 * src.numel() / (min(times) / 1e3)
 
 
@@ -75,7 +61,7 @@ def time_steps(steps: Steps, prompt: Prompt, tokens: int, warmup: int, rounds: i
     tokens = max(1, min(tokens, steps.cache_length - prompt.length))
     out: dict[str, Any] = {"batch": batch, "prompt": prompt.length, "tokens": tokens}
     with torch.inference_mode():
-        out["prefill"] = _stats(_median_ms(lambda: steps.prefill(ids, padding, positions, kv), device, warmup, rounds))
+        out["prefill"] = _timed(lambda: steps.prefill(ids, padding, positions, kv), device, warmup, rounds)
         token = torch.zeros(batch, 1, dtype=torch.long, device=device)
         where = torch.tensor([prompt.length], device=device)
 
@@ -85,13 +71,13 @@ def time_steps(steps: Steps, prompt: Prompt, tokens: int, warmup: int, rounds: i
                 step()
 
         eager_step = lambda: steps.decode(token, padding, where, kv)  # noqa: E731
-        out["decode"] = _stats(_median_ms(lambda: decode_all(eager_step), device, 1, rounds), per=tokens)
+        out["decode"] = _timed(lambda: decode_all(eager_step), device, 1, rounds, per=tokens)
         out["decode"]["cuda_graph"] = False
         if graph and device.startswith("cuda"):
             try:
                 graphed = steps.fresh_decode() if steps.fresh_decode is not None else steps.decode
                 cuda_graph = capture(lambda: graphed(token, padding, where, kv))
-                replayed = _stats(_median_ms(lambda: decode_all(cuda_graph.replay), device, 1, rounds), per=tokens)
+                replayed = _timed(lambda: decode_all(cuda_graph.replay), device, 1, rounds, per=tokens)
                 out["decode_graph"] = {**replayed, "cuda_graph": True}
             except Exception as exc:  # timed without the graph; the reason is reported
                 out["decode_graph"] = {"cuda_graph": False, "error": describe(exc)}
@@ -115,10 +101,9 @@ def time_eager_generate(model: nn.Module, prompt: Prompt, tokens: int, device: s
                        pad_token_id=0)
 
     with torch.inference_mode():
-        one = _median_ms(lambda: run(1), device, 1, rounds)
-        many = _median_ms(lambda: run(tokens), device, 1, rounds)
-    prefill = statistics.median(one)
-    per_token = max(statistics.median(many) - prefill, 0.0) / max(tokens - 1, 1)
+        prefill = _median(lambda: run(1), device, 1, rounds)
+        many = _median(lambda: run(tokens), device, 1, rounds)
+    per_token = max(many - prefill, 0.0) / max(tokens - 1, 1)
     batch = ids.shape[0]
     return {"batch": batch, "prompt": prompt.length, "tokens": tokens, "prefill": {"median_ms": prefill},
             "decode": {"median_ms": per_token}, "decode_best_ms": per_token,

@@ -3,19 +3,21 @@
 ``Steps`` pairs two callables with ``DecoderStep``'s signature. ``generate`` runs them: the prefill over the
 prompt, then one decode per new token, over a cache it allocates. With ``forced`` tokens it feeds those
 instead of its own picks (teacher forcing), so every step's logits can be compared with the reference's at
-the same prefix; the tokens it returns are still its own picks at each step.
+the same prefix; the tokens it returns are still its own picks at each step. ``load_steps`` loads a built
+target's two programs back as ``Steps`` (each target loads its own files: ``Target.load_decoder``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
+from .. import targets
+from ..targets.spec import Step as Step
 from .cache import CacheLayout
-
-Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]], torch.Tensor]
 
 
 @dataclass
@@ -88,3 +90,10 @@ def generate(steps: Steps, prompt: Prompt, new_tokens: int, forced: torch.Tensor
             position = torch.tensor([prompt.length + step], device=device)
             out = steps.decode(feed.reshape(batch, 1).contiguous(), padding, position, kv)
     return torch.stack(tokens, dim=1), logits
+
+
+def load_steps(target: str, folder: Path, layout: CacheLayout, cache_length: int, dtype: torch.dtype,
+               device: str) -> Steps:
+    """A built target's prefill and decode programs in ``folder``, callable as ``Steps``."""
+    loaded = targets.get(target).load_decoder(folder)
+    return Steps(loaded.prefill, loaded.decode, layout, cache_length, dtype, device, loaded.fresh_decode)

@@ -3,54 +3,48 @@
     load -> prompts -> reference generation (float64, no cache) -> eager baseline (teacher-forced)
          -> attention to SDPA -> export prefill + decode -> build targets -> judge and time each -> report
 
-Everything a target is judged on is computed here once and stored in the output folder
-(``generation.json``: cache layout, sizes and each step's bar; ``reference/generation.safetensors``: the
-prompts, the reference's tokens and its float64 logits per step), so ``exporter verify`` re-judges a target
-with the same bars. Each target is judged and timed in a process of its own (``generation.session``).
+This module is the order of those stages; each does its work where the forward convert's does (``checkpoint``,
+``rewrite``, ``targets``: ``build_decoder``, ``runners.run_session``, ``measure``, ``report.generation``).
+Everything a target is judged on is computed here once and stored in the output folder (``generation.json``:
+cache layout, sizes and each step's bar; ``reference/generation.safetensors``: the prompts, the reference's
+tokens and its float64 logits per step), so ``exporter verify`` re-judges a target with the same bars. Each
+target is judged and timed in a process of its own (``generation.session``).
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import gc
-import json
-import subprocess
-import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
-from ..checkpoint import load_model
-from ..environment import device_info, versions
-from ..errors import EXIT_NUMERICS, EXIT_OK, EXIT_TARGET, ArchitectureError, describe
-from ..inputs import TORCH_DTYPES
+from .. import targets
+from ..checkpoint import LoadedModel, load_model
+from ..dtypes import torch_dtype
+from ..errors import ArchitectureError, describe
 from ..modelio import attention_implementation
-from ..numerics.tolerance import RULE, relative_floor
-from ..outdir import file_entry, model_name, public_path, sha256_file, write_json
+from ..numerics.tolerance import relative_floor
+from ..outdir import file_entry, sha256_file, write_json
 from ..progress import Progress
-from ..recipe import Recipe, public_source
+from ..recipe import Recipe
+from ..report.generation import assemble_generation
+from ..results import FAILED, NUMERICS_FAILED, OK, SKIPPED
 from ..rewrite.audit import REWRITTEN, AttentionAudit, Site
-from ..runners import child_env
-from ..targets.toolchain import aoti_preload
+from ..rewrite.transformers_interface import KIND, _recording
+from ..rewrite.transformers_interface import RULE as SITE_RULE
+from ..runners import run_session
+from ..targets.context import DecoderPrograms, build_decoder, decoder_attention
 from . import bench
-from .cache import DecoderStep, probe_layout
+from .cache import CacheLayout, DecoderStep, probe_layout
 from .driver import Prompt, Steps, generate
 from .judge import judge_steps, step_bars
-from .onnx_programs import refusal as onnx_refusal
-from .programs import BUILT, FILES, NOT_BUILT, build, export_steps, target_attention
+from .programs import export_steps
 from .reference import forced_logits, reference_generation
-from .session import MANIFEST, REFERENCE, finite
-
-SESSION_TIMEOUT_S = 3600
-SCHEMA_FILE = Path(__file__).with_name("schema.json")  # shipped in the wheel beside this module
-
-
-def report_schema() -> dict[str, Any]:
-    """The JSON Schema (draft 2020-12) of a ``--task text-generation`` run's ``report.json``."""
-    return json.loads(SCHEMA_FILE.read_text(encoding="utf-8"))
+from .session import MANIFEST, REFERENCE, finite, time_target
 
 
 def make_prompt(vocab: int, batch: int, length: int, seed: int) -> Prompt:
@@ -66,15 +60,12 @@ def make_prompt(vocab: int, batch: int, length: int, seed: int) -> Prompt:
 
 def audit_sites(model: torch.nn.Module, device: str, transformers: bool) -> AttentionAudit:
     """The attention sites one decode step dispatched through transformers' SDPA entry (transformers models);
-    a factory model's attention is read from the exported programs' graphs (``attention_ops``)."""
+    a factory model's attention is read from the exported programs' graphs (``decoder_attention``)."""
     audit = AttentionAudit()
     if not transformers:
         audit.notes.append("factory decoder: its attention runs as written; the programs' SDPA and softmax nodes "
                            "are counted below")
         return audit
-    from ..rewrite.transformers_interface import KIND, _recording  # noqa: PLC0415
-    from ..rewrite.transformers_interface import RULE as SITE_RULE  # noqa: PLC0415
-
     names = {id(m): n for n, m in model.named_modules()}
     calls: list[dict[str, Any]] = []
     with _recording(calls):  # one step of the model, each attention's SDPA call recorded
@@ -104,40 +95,144 @@ def check_window(config: Any, cache_length: int) -> None:
                                 f"convert with --set generation.max_cache_len={window} or less")
 
 
-def run_session(folder: Path, target: str, log: Path, time_it: bool, steps: int | None = None,
-                timeout_s: float = SESSION_TIMEOUT_S, scratch: Path | None = None) -> dict[str, Any]:
-    """``generation.session`` for one target in a child process (the AOTI preload where it is needed); its
-    request and answer files go to ``scratch`` (default: the folder itself)."""
-    request = (scratch or folder) / f".session-{target}.json"
-    answer = (scratch or folder) / f".session-{target}.result.json"
-    request.write_text(json.dumps({"folder": str(folder), "target": target, "time": time_it, "steps": steps}))
-    env = child_env(aoti_preload() if target == "aoti" else None)
-    try:
-        with open(log, "ab") as out:
-            subprocess.run([sys.executable, "-m", "exporter.generation.session", str(request), str(answer)],
-                           env=env, stdout=out, stderr=out, timeout=timeout_s, check=False)
-        if not answer.is_file():
-            return {"target": target, "error": f"the session process ended without a result (see {log.name})"}
-        return json.loads(answer.read_text(encoding="utf-8"))
-    except subprocess.TimeoutExpired:
-        return {"target": target, "error": f"the session did not finish in {timeout_s:.0f} s"}
-    finally:
-        request.unlink(missing_ok=True)
-        answer.unlink(missing_ok=True)
+@dataclass
+class Reference:
+    """What every candidate is judged against: the prompts, the float64 reference's tokens and logits, the eager
+    model's teacher-forced logits in the recipe's dtype, and the per-step bars made from them."""
+
+    prompt: Prompt
+    tokens: torch.Tensor
+    logits: torch.Tensor
+    baseline: torch.Tensor
+    bars: list[dict[str, Any]]
+    k: float
+    vocab: int
+
+
+def reference(model: torch.nn.Module, recipe: Recipe, transformers: bool) -> Reference:
+    """The original model generating greedily in float64 without a cache, then teacher-forced in the recipe's
+    dtype (the eager error each step's bar is made from); the model is left in the recipe's dtype."""
+    gen, device, dtype = recipe.generation, recipe.runtime.device, recipe.runtime.dtype
+    with attention_implementation(model, "eager"):
+        model.to(torch.float64)
+        vocab = probe_layout(model, transformers, device).vocab
+        prompt = make_prompt(vocab, gen.batch, gen.prompt_length, recipe.inputs.seed)
+        tokens, logits = reference_generation(model, prompt, gen.new_tokens, device, transformers)
+        model.to(torch_dtype(dtype))
+        baseline = forced_logits(model, prompt, tokens, device, transformers)
+    k = recipe.numerics.multiplier(dtype)
+    bars = step_bars(logits, baseline, k, relative_floor(recipe.numerics.floor, dtype), recipe.numerics.atol)
+    return Reference(prompt, tokens, logits, baseline, bars, k, vocab)
+
+
+def write_setup(staging: Path, recipe: Recipe, ref: Reference, layout: CacheLayout, model: torch.nn.Module) -> dict:
+    """``generation.json`` and ``reference/generation.safetensors``: what a target's session is judged and timed
+    with, here and in ``exporter verify``."""
+    gen, device = recipe.generation, recipe.runtime.device
+    setup: dict[str, Any] = {
+        "task": "text-generation", "device": device, "dtype": recipe.runtime.dtype,
+        "attention_backend": recipe.runtime.attention_backend, "cache_length": gen.max_cache_len,
+        "batch": gen.batch, "prompt_length": gen.prompt_length, "new_tokens": gen.new_tokens,
+        "layout": layout.to_dict(),
+        "numerics": {"k": ref.k, "atol": recipe.numerics.atol, "floor": recipe.numerics.floor, "bars": ref.bars},
+        "timing": {"tokens": gen.bench_tokens, "warmup": recipe.bench.warmup, "rounds": recipe.bench.rounds,
+                   "cuda_graph": gen.cuda_graph, "weight_bytes": bench.weight_bytes(model),
+                   "copy_bytes_per_s": bench.copy_bandwidth(device)},
+    }
+    (staging / "reference").mkdir(exist_ok=True)
+    save_file({"prompt_ids": ref.prompt.input_ids.contiguous(), "prompt_mask": ref.prompt.mask.contiguous(),
+               "tokens": ref.tokens.contiguous(), "logits": ref.logits.double().contiguous()},
+              str(staging / REFERENCE))
+    write_json(staging / MANIFEST, setup)
+    return setup
+
+
+def artifact_entry(target: str, device: str, dtype: str) -> dict[str, Any]:
+    return {"target": target, "name": target, "status": SKIPPED, "error": None, "path": None, "sha256": None,
+            "size_bytes": None, "files": [], "device": device, "dtype": dtype, "build_s": None, "load_s": None,
+            "notes": [], "numerics": {"passed": None}, "bench": None, "programs": None}
+
+
+def build_and_judge(entry: dict[str, Any], programs: DecoderPrograms, recipe: Recipe, staging: Path,
+                    progress: Progress) -> None:
+    """Build one target's decoder programs into ``staging``, then judge and time them in a process of their own;
+    the outcome goes into ``entry``."""
+    name = entry["target"]
+    target = targets.get(name)
+    with progress.stage(f"build {name}"):
+        t0 = time.perf_counter()
+        try:
+            files = build_decoder(target, programs, recipe, staging)
+        except Exception as exc:
+            entry.update(status=FAILED, error=f"build failed: {describe(exc)}")
+            return
+        main = staging / target.decoder[-1]
+        entry.update(build_s=time.perf_counter() - t0 + programs.export_s, path=target.decoder[-1],
+                     files=[file_entry(f, staging) for f in files], sha256=sha256_file(main),
+                     size_bytes=sum(f.stat().st_size for f in files), notes=list(programs.notes),
+                     programs=decoder_attention(target, programs, staging), fused_projections=programs.fused)
+    with progress.stage(f"validate and time {name}"):
+        result = run_session(staging, name, staging / "logs" / f"{name}.log", time_it=True)
+    if "error" in result:
+        entry.update(status=FAILED, error=result["error"])
+        return
+    entry.update(load_s=result["load_s"], numerics=result["numerics"], bench=result.get("bench"))
+    entry["status"] = OK if result["numerics"]["passed"] else NUMERICS_FAILED
+    if not result["numerics"]["passed"]:
+        entry["error"] = "; ".join(result["numerics"]["failures"][:2]) or "NaN/Inf in the logits"
+
+
+def benchmark_eager(model: torch.nn.Module, prompt: Prompt, recipe: Recipe, transformers: bool,
+                    timing: dict[str, Any]) -> dict[str, Any]:
+    """transformers' own ``generate()`` at batch 1 and at the recipe's batch (a factory model has none)."""
+    eager: dict[str, Any] = {}
+    if transformers:
+        for label, which in (("batch_1", prompt.row(0)), ("batch", prompt)):
+            eager[label] = bench.time_eager_generate(model, which, recipe.generation.bench_tokens,
+                                                     recipe.runtime.device, recipe.bench.rounds)
+            eager[label]["bandwidth"] = bench.bandwidth(eager[label], timing["weight_bytes"],
+                                                        timing["copy_bytes_per_s"])
+    return eager
+
+
+def decode_speedups(artifacts: list[dict[str, Any]], eager: dict[str, Any]) -> None:
+    """Each artifact's decode against eager ``generate()`` at the same batch."""
+    for entry in artifacts:
+        if not entry.get("bench"):
+            continue
+        speedups = {}
+        for label in ("batch_1", "batch"):
+            eager_ms = (eager.get(label) or {}).get("decode_best_ms")
+            mine = (entry["bench"].get(label) or {}).get("decode_best_ms")
+            if eager_ms and mine:
+                speedups[label] = eager_ms / mine
+        entry["bench"]["decode_speedup_vs_eager_generate"] = speedups
+
+
+def generation_section(recipe: Recipe, ref: Reference, layout: CacheLayout, setup: dict[str, Any],
+                       eager_verdict: dict[str, Any]) -> dict[str, Any]:
+    gen = recipe.generation
+    return {
+        "batch": gen.batch, "prompt_length": gen.prompt_length, "cache_length": gen.max_cache_len,
+        "new_tokens": gen.new_tokens, "bench_tokens": gen.bench_tokens, "layout": layout.to_dict(),
+        "padded_rows": [r for r in range(gen.batch) if r % 2 == 1], "pad_tokens": max(1, gen.prompt_length // 4),
+        "reference_tokens": ref.tokens.tolist(),
+        "eager": {"tokens_identical": bool(torch.equal(ref.baseline.argmax(-1).T, ref.tokens)),
+                  "numerics": eager_verdict},
+        "copy_bytes_per_s": setup["timing"]["copy_bytes_per_s"],
+        "weight_bytes": setup["timing"]["weight_bytes"],
+    }
 
 
 def convert_generation(checkpoint: Path, recipe: Recipe, staging: Path, allow_drift: bool, allow_pickle: bool,
                        progress: Progress) -> tuple[dict[str, Any], list[Path]]:
     t_start = time.perf_counter()
-    gen, device = recipe.generation, recipe.runtime.device
-    dtype_name = recipe.runtime.dtype
-    dtype = TORCH_DTYPES[dtype_name]
+    gen, device, dtype = recipe.generation, recipe.runtime.device, recipe.runtime.dtype
     warnings: list[str] = []
-    logs = staging / "logs"
-    logs.mkdir(exist_ok=True)
+    (staging / "logs").mkdir(exist_ok=True)
 
     with progress.stage("load", str(checkpoint)):
-        loaded = load_model(checkpoint, recipe.model.factory, allow_pickle)
+        loaded: LoadedModel = load_model(checkpoint, recipe.model.factory, allow_pickle)
         model = loaded.model.eval()
         transformers = loaded.architecture.is_transformers
         check_window(getattr(model, "config", None), gen.max_cache_len)
@@ -147,17 +242,8 @@ def convert_generation(checkpoint: Path, recipe: Recipe, staging: Path, allow_dr
             gc.collect()
 
     with progress.stage("reference", f"original model, float64, greedy {gen.new_tokens} tokens, no cache"):
-        with attention_implementation(model, "eager"):
-            model.to(torch.float64)
-            vocab = probe_layout(model, transformers, device).vocab
-            prompt = make_prompt(vocab, gen.batch, gen.prompt_length, recipe.inputs.seed)
-            ref_tokens, ref_logits = reference_generation(model, prompt, gen.new_tokens, device, transformers)
-            model.to(dtype)
-            baseline = forced_logits(model, prompt, ref_tokens, device, transformers)
-    k = recipe.numerics.multiplier(dtype_name)
-    bars = step_bars(ref_logits, baseline, k, relative_floor(recipe.numerics.floor, dtype_name), recipe.numerics.atol)
-    eager_picks = baseline.argmax(-1).T
-    eager_verdict = judge_steps("eager", ref_logits, ref_tokens, list(baseline.float()), None, bars, k,
+        ref = reference(model, recipe, transformers)
+    eager_verdict = judge_steps("eager", ref.logits, ref.tokens, list(ref.baseline.float()), None, ref.bars, ref.k,
                                 recipe.numerics.atol)
 
     implementation = "sdpa" if recipe.runtime.rewrite_attention else "eager"
@@ -168,156 +254,51 @@ def convert_generation(checkpoint: Path, recipe: Recipe, staging: Path, allow_dr
             audit = audit_sites(model, device, transformers) if recipe.runtime.rewrite_attention else \
                 AttentionAudit(notes=["rewrite off (--no-rewrite): attention runs as written"])
             progress.info(f"attention sites: {audit.found} found, {audit.count('rewritten')} rewritten")
+        setup = write_setup(staging, recipe, ref, layout, model)
 
-        setup: dict[str, Any] = {
-            "task": "text-generation", "device": device, "dtype": dtype_name,
-            "attention_backend": recipe.runtime.attention_backend, "cache_length": gen.max_cache_len,
-            "batch": gen.batch, "prompt_length": gen.prompt_length, "new_tokens": gen.new_tokens,
-            "layout": layout.to_dict(),
-            "numerics": {"k": k, "atol": recipe.numerics.atol, "floor": recipe.numerics.floor, "bars": bars},
-            "timing": {"tokens": gen.bench_tokens, "warmup": recipe.bench.warmup, "rounds": recipe.bench.rounds,
-                       "cuda_graph": gen.cuda_graph, "weight_bytes": bench.weight_bytes(model),
-                       "copy_bytes_per_s": bench.copy_bandwidth(device)},
-        }
-        (staging / "reference").mkdir(exist_ok=True)
-        save_file({"prompt_ids": prompt.input_ids.contiguous(), "prompt_mask": prompt.mask.contiguous(),
-                   "tokens": ref_tokens.contiguous(), "logits": ref_logits.double().contiguous()},
-                  str(staging / REFERENCE))
-        write_json(staging / MANIFEST, setup)
-
-        steps_local = Steps(step, step, layout, gen.max_cache_len, dtype, device)
+        steps_local = Steps(step, step, layout, gen.max_cache_len, torch_dtype(dtype), device)
         with progress.stage("validate rewritten", "the rewritten model on the static cache, not exported"):
-            _, logits = generate(steps_local, prompt, gen.new_tokens, forced=ref_tokens)
-            free, _ = generate(steps_local, prompt, gen.new_tokens, keep_logits=False)
-            verdict = judge_steps("rewritten", ref_logits, ref_tokens, logits, free, bars, k, recipe.numerics.atol)
-            rewritten: dict[str, Any] = {"name": "rewritten", "status": "ok", "numerics": verdict}
+            _, logits = generate(steps_local, ref.prompt, gen.new_tokens, forced=ref.tokens)
+            free, _ = generate(steps_local, ref.prompt, gen.new_tokens, keep_logits=False)
+            verdict = judge_steps("rewritten", ref.logits, ref.tokens, logits, free, ref.bars, ref.k,
+                                  recipe.numerics.atol)
+            rewritten: dict[str, Any] = {"name": "rewritten", "status": OK if verdict["passed"] else NUMERICS_FAILED,
+                                         "error": None, "numerics": verdict}
+            if not verdict["passed"]:
+                rewritten["error"] = "; ".join(verdict["failures"][:2])
 
-        exported = None
-        artifacts: list[dict[str, Any]] = []
-        onnx_why = onnx_refusal(device, dtype_name)
-        wanted = [t for t in recipe.targets.build if t in BUILT and not (t == "onnx" and onnx_why)]
+        artifacts = [artifact_entry(name, device, dtype) for name in recipe.targets.build]
+        refusals = {entry["target"]: targets.get(entry["target"]).decoder_refusal(device, dtype)
+                    for entry in artifacts}
+        wanted = [entry for entry in artifacts if refusals[entry["target"]] is None]
+        programs = None
         if wanted:
             with progress.stage("export", "prefill and decode programs"):
                 try:
-                    exported = export_steps(step, layout, gen.batch, gen.prompt_length, gen.max_cache_len, dtype,
-                                            device, fuse=gen.fuse_projections, past="onnx" in wanted)
+                    programs = export_steps(step, layout, gen.batch, gen.prompt_length, gen.max_cache_len,
+                                            torch_dtype(dtype), device, fuse=gen.fuse_projections,
+                                            past=any(entry["target"] == "onnx" for entry in wanted))
                 except Exception as exc:
                     warnings.append(f"export failed: {describe(exc)}")
-                    (logs / "export.log").write_text(repr(exc), encoding="utf-8")
-        for target in recipe.targets.build:
-            entry: dict[str, Any] = {"target": target, "name": target, "status": "skipped", "error": None, "path": None,
-                                     "sha256": None, "size_bytes": None, "files": [], "device": device,
-                                     "dtype": dtype_name, "build_s": None, "load_s": None, "notes": [],
-                                     "numerics": {"passed": None}, "bench": None, "programs": None}
-            artifacts.append(entry)
-            if target not in wanted:
-                entry["error"] = onnx_why if target == "onnx" and onnx_why else \
-                    NOT_BUILT.get(target, "not available for text-generation")
-                continue
-            if exported is None:
-                entry.update(status="failed",
+                    (staging / "logs" / "export.log").write_text(repr(exc), encoding="utf-8")
+        for entry in artifacts:
+            if refusals[entry["target"]] is not None:
+                entry["error"] = refusals[entry["target"]]
+            elif programs is None:
+                entry.update(status=FAILED,
                              error="the prefill and decode programs could not be exported (logs/export.log)")
-                continue
-            with progress.stage(f"build {target}"):
-                t0 = time.perf_counter()
-                try:
-                    files = build(target, exported, staging, device, recipe.runtime.attention_backend,
-                                  recipe.targets.onnx_opset)
-                except Exception as exc:
-                    entry.update(status="failed", error=f"build failed: {describe(exc)}")
-                    continue
-                entry["build_s"] = time.perf_counter() - t0 + exported.export_s
-                entry["files"] = [file_entry(f, staging) for f in files]
-                main = staging / FILES[target][1]
-                entry.update(path=FILES[target][1], sha256=sha256_file(main),
-                             size_bytes=sum(f.stat().st_size for f in files), notes=list(exported.notes))
-                entry["programs"] = target_attention(target, exported, staging)
-                entry["fused_projections"] = exported.fused
-            with progress.stage(f"validate and time {target}"):
-                result = run_session(staging, target, logs / f"{target}.log", time_it=True)
-            if "error" in result:
-                entry.update(status="failed", error=result["error"])
-                continue
-            entry.update(load_s=result["load_s"], numerics=result["numerics"], bench=result.get("bench"))
-            entry["status"] = "ok" if result["numerics"]["passed"] else "numerics_failed"
-            if not result["numerics"]["passed"]:
-                entry["error"] = "; ".join(result["numerics"]["failures"][:2]) or "NaN/Inf in the logits"
+            else:
+                build_and_judge(entry, programs, recipe, staging, progress)
 
     with progress.stage("benchmark eager"):
-        eager_bench: dict[str, Any] = {}
-        first = prompt.row(0)
-        if transformers:
-            for label, which in (("batch_1", first), ("batch", prompt)):
-                eager_bench[label] = bench.time_eager_generate(model, which, gen.bench_tokens, device,
-                                                               recipe.bench.rounds)
+        eager_bench = benchmark_eager(model, ref.prompt, recipe, transformers, setup["timing"])
         with attention_implementation(model, implementation):
-            from .session import time_target  # noqa: PLC0415
+            rewritten["bench"] = time_target(steps_local, ref.prompt, setup["timing"])
+    decode_speedups(artifacts, eager_bench)
 
-            rewritten["bench"] = time_target(steps_local, prompt, setup["timing"])
-    for timing in [*eager_bench.values()]:
-        timing["bandwidth"] = bench.bandwidth(timing, setup["timing"]["weight_bytes"],
-                                              setup["timing"]["copy_bytes_per_s"])
-    for entry in artifacts:
-        speedups = {}
-        for label in ("batch_1", "batch"):
-            eager_ms = (eager_bench.get(label) or {}).get("decode_best_ms")
-            mine = ((entry.get("bench") or {}).get(label) or {}).get("decode_best_ms")
-            if eager_ms and mine:
-                speedups[label] = eager_ms / mine
-        if entry.get("bench"):
-            entry["bench"]["decode_speedup_vs_eager_generate"] = speedups
-
-    problems = [f"{a['name']}: {a['error']}" for a in artifacts if a["status"] in ("failed", "numerics_failed")]
-    failed_numerics = any(a["status"] == "numerics_failed" for a in artifacts) or not rewritten["numerics"]["passed"]
-    if not rewritten["numerics"]["passed"]:
-        rewritten["status"] = "numerics_failed"
-        problems.insert(0, "rewritten: numerics failed: " + "; ".join(rewritten["numerics"]["failures"][:2]))
-    if failed_numerics and not allow_drift:
-        exit_code = EXIT_NUMERICS
-    elif any(a["status"] == "failed" for a in artifacts):
-        exit_code = EXIT_TARGET
-    else:
-        exit_code = EXIT_OK
-    passed = not failed_numerics and not any(a["status"] == "failed" for a in artifacts)
-    params = sum(p.numel() for p in model.parameters())
-    dtypes: dict[str, int] = {}
-    for info in loaded.checkpoint.entries.values():
-        key = str(info.dtype).replace("torch.", "")
-        dtypes[key] = dtypes.get(key, 0) + 1
-    report = {
-        "schema_version": 1,
-        "task": "text-generation",
-        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "passed": passed, "exit_code": exit_code, "problems": problems, "allow_drift": allow_drift,
-        "warnings": warnings,
-        "model": {"name": model_name(Path(checkpoint)), "checkpoint": public_path(checkpoint),
-                  "format": loaded.checkpoint.format, "architecture": loaded.architecture.name,
-                  "architecture_source": loaded.architecture.source, "parameters": params,
-                  "checkpoint_bytes": loaded.checkpoint.nbytes, "checkpoint_dtypes": dtypes},
-        "recipe": {"name": recipe.name, "source": public_source(recipe), "device": device, "dtype": dtype_name,
-                   "attention_backend": recipe.runtime.attention_backend,
-                   "rewrite_attention": recipe.runtime.rewrite_attention, "targets": list(recipe.targets.build)},
-        "generation": {
-            "batch": gen.batch, "prompt_length": gen.prompt_length, "cache_length": gen.max_cache_len,
-            "new_tokens": gen.new_tokens, "bench_tokens": gen.bench_tokens, "layout": layout.to_dict(),
-            "padded_rows": [r for r in range(gen.batch) if r % 2 == 1], "pad_tokens": max(1, gen.prompt_length // 4),
-            "reference_tokens": ref_tokens.tolist(),
-            "eager": {"tokens_identical": bool(torch.equal(eager_picks, ref_tokens)), "numerics": eager_verdict},
-            "copy_bytes_per_s": setup["timing"]["copy_bytes_per_s"],
-            "weight_bytes": setup["timing"]["weight_bytes"],
-        },
-        "reference": {"device": device, "dtype": "float64", "model": "original (eager attention), no KV cache: "
-                      "the whole sequence re-read at every step"},
-        "tolerance": {"rule": RULE, "k": k, "atol": recipe.numerics.atol, "floor": recipe.numerics.floor,
-                      "per_step": "each step's logits, teacher-forced on the reference's tokens"},
-        "attention": {**audit.to_dict()},
-        "baseline": {"name": "eager generate", "bench": eager_bench or None,
-                     "note": "transformers generate(), greedy, its default cache and attention" if transformers
-                     else "a factory model has no generate(); the rewritten row is the eager reference for timing"},
-        "rewritten": rewritten,
-        "artifacts": artifacts,
-        "timings_s": {**{k2: round(v, 3) for k2, v in progress.timings.items()},
-                      "total": round(time.perf_counter() - t_start, 3)},
-        "environment": {"versions": versions(), "device": device_info(device, host=recipe.report.host)},
-    }
+    report = assemble_generation(
+        recipe=recipe, checkpoint=checkpoint, loaded=loaded, audit=audit, rewritten=rewritten, artifacts=artifacts,
+        generation=generation_section(recipe, ref, layout, setup, eager_verdict), eager_bench=eager_bench, k=ref.k,
+        allow_drift=allow_drift, warnings=warnings, timings=progress.timings,
+        total_s=time.perf_counter() - t_start, transformers=transformers)
     return finite(report), list(loaded.checkpoint.files)

@@ -22,13 +22,13 @@ import torch
 from safetensors.torch import load_file
 
 from ..attention_backend import backend_context
+from ..dtypes import torch_dtype
 from ..errors import describe
-from ..inputs import TORCH_DTYPES
+from ..measure.bench import synchronize
 from . import bench
 from .cache import CacheLayout
-from .driver import Prompt, generate
+from .driver import Prompt, generate, load_steps
 from .judge import judge_steps
-from .programs import load_steps
 
 MANIFEST = "generation.json"
 REFERENCE = "reference/generation.safetensors"
@@ -53,14 +53,13 @@ def read_setup(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
 def run(request: dict[str, Any]) -> dict[str, Any]:
     folder = Path(request["folder"])
     setup, stored = read_setup(folder)
-    device, dtype = setup["device"], TORCH_DTYPES[setup["dtype"]]
+    device, dtype = setup["device"], torch_dtype(setup["dtype"])
     layout = CacheLayout.from_dict(setup["layout"])
     result: dict[str, Any] = {"target": request["target"]}
     with backend_context(setup["attention_backend"], device):
         t0 = time.perf_counter()
         steps = load_steps(request["target"], folder, layout, setup["cache_length"], dtype, device)
-        sync = bench.sync
-        sync(device)
+        synchronize(device)
         result["load_s"] = time.perf_counter() - t0
         prompt = Prompt(stored["prompt_ids"], stored["prompt_mask"])
         ref_tokens, ref_logits = stored["tokens"], stored["logits"]

@@ -1,9 +1,10 @@
 """Timing: a monotonic clock on the CPU, CUDA events on the GPU, and interleaved rounds across variants.
 
-Every variant (the eager baseline and each target) is warmed up, then timed in
-rounds; within a round each variant runs a burst of iterations, in a rotating
-order, so slow drifts of the machine (clocks, caches, other load) spread over
-all variants instead of favouring whichever ran first.
+:func:`repeat` is the one timing loop (every figure a report holds comes from it, the decode steps of a
+generation included) and :class:`Timing` its statistics. Every variant (the eager baseline and each target) is
+warmed up, then timed in rounds; within a round each variant runs a burst of iterations, in a rotating order,
+so slow drifts of the machine (clocks, caches, other load) spread over all variants instead of favouring
+whichever ran first.
 """
 
 from __future__ import annotations
@@ -22,19 +23,29 @@ from ..results import FAILED
 from ..targets.spec import RunnerFailed, failure_reason
 
 
-def time_calls(fn: Callable[[], object], count: int, device: str) -> list[float]:
-    """Milliseconds of each of ``count`` calls of ``fn``, after one untimed call.
+def synchronize(device: str) -> None:
+    """Wait for the device's queued work (nothing to wait for on the CPU)."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
-    The untimed call absorbs what switching from another variant costs (caches,
-    another process's threads going idle), so each burst measures this variant.
-    The garbage collector is paused during the burst, as ``timeit`` does: a
-    full collection of a process holding large graphs takes milliseconds.
-    """
+
+def repeat(fn: Callable[[], object], count: int, device: str, warmup: int = 0) -> list[float]:
+    """Milliseconds of each of ``count`` calls of ``fn`` after ``warmup`` untimed calls: CUDA events on a GPU (the
+    device's time from the call's first launch to its last), a monotonic clock on the CPU. The garbage collector
+    is paused while calls are timed, as ``timeit`` does: a full collection of a process holding large graphs takes
+    milliseconds."""
+    for _ in range(warmup):
+        fn()
     if count <= 0:
         return []
-    fn()
     with _gc_paused():
         return _timed(fn, count, device)
+
+
+def time_calls(fn: Callable[[], object], count: int, device: str) -> list[float]:
+    """One burst: ``count`` calls after one untimed call, which absorbs what switching from another variant costs
+    (caches, another process's threads going idle), so each burst measures this variant."""
+    return repeat(fn, count, device, warmup=1) if count > 0 else []
 
 
 @contextlib.contextmanager
@@ -90,6 +101,10 @@ class Timing:
     p75_ms: float
     max_ms: float
     noise: float  # interquartile range over median: the spread of typical calls, blind to rare outliers
+
+    def brief(self) -> dict[str, Any]:
+        """The median, the 90th percentile and how many calls: what a generation step's timing reports."""
+        return {"median_ms": self.median_ms, "p90_ms": self.p90_ms, "rounds": self.runs}
 
     @classmethod
     def of(cls, times: list[float]) -> "Timing":

@@ -6,7 +6,7 @@ running sums that :func:`exporter.numerics.tolerance.metrics` needs (squared err
 largest absolute and relative errors, NaN/Inf where the reference is finite) and is fed a candidate's
 output in flat, ordered chunks, which it compares with the matching slice of the reference on the
 reference's own device (the GPU when the reference was computed there). The result equals ``metrics()`` on
-the whole tensors up to float64 rounding (tests/test_compare.py).
+the whole tensors up to float64 rounding (tests/numerics/test_compare.py).
 
 A reference is any :class:`Source`: a tensor in memory (:class:`InMemory`) or a tensor stored in a
 safetensors file and read slice by slice (:class:`InFile`, what ``exporter verify`` compares against).
@@ -22,7 +22,9 @@ from typing import Iterator, Protocol
 
 import torch
 
-from .tolerance import OutputCheck, check_against_metrics
+from ..dtypes import from_safetensors
+from ..results import OutputCheck
+from .tolerance import check_against_metrics
 
 CHUNK_ELEMENTS = 1 << 24  # 16 M values: 128 MiB in float64
 
@@ -49,11 +51,6 @@ class InMemory:
         return self._flat[start:stop]
 
 
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool}
-
-
 def safetensors_index(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...], int]]:
     """name -> (dtype, shape, absolute byte offset of its data) from a safetensors header."""
     with open(path, "rb") as handle:
@@ -63,7 +60,7 @@ def safetensors_index(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        index[name] = (_ST_DTYPES[entry["dtype"]], tuple(entry["shape"]), 8 + size + entry["data_offsets"][0])
+        index[name] = (from_safetensors(entry["dtype"]), tuple(entry["shape"]), 8 + size + entry["data_offsets"][0])
     return index
 
 

@@ -40,8 +40,8 @@ import psutil
 import torch
 
 from ..attention_backend import backend_context
+from ..dtypes import torch_dtype
 from ..errors import describe
-from ..inputs import TORCH_DTYPES
 from ..modelio import IOModule
 from .locate_program import in_program
 from .module_checks import (
@@ -179,21 +179,21 @@ def locate(original: IOModule, counterpart: IOModule, sample: list[torch.Tensor]
            max_bytes: int | None = None, failing: bool = True, relative: float = 0.0) -> dict[str, Any]:
     """Localise a failing candidate on one sample; a dict for the report (see docs/numerics.md). ``relative``
     is the rule's floor per unit of a module's reference RMS (:func:`~exporter.numerics.tolerance.relative_floor`)."""
-    torch_dtype = TORCH_DTYPES[dtype]
+    cast = torch_dtype(dtype)
     outputs: list[torch.Tensor] = []
     calls, note = record_reference(original, sample, max_bytes, outputs)
     floor = ModuleFloor(atol, outputs, relative)
     result: dict[str, Any] = {"device": device, "dtype": dtype, "module": None, "found_by": None,
                               "replay": None, "graph": None, "notes": [note] if note else []}
     try:
-        result["replay"] = {"replayed": label, **replay(calls, original, counterpart, sample, device, torch_dtype,
+        result["replay"] = {"replayed": label, **replay(calls, original, counterpart, sample, device, cast,
                                                         k, floor, backend)}
     except Exception as exc:  # a module that cannot be called on its own: say so, keep the graph method
         result["notes"].append(f"replay failed: {describe(exc, 300)}")
     if program is not None:
         try:
             result["graph"] = {"replayed": program_label, **in_program(program, calls, original, sample, device,
-                                                                       torch_dtype, k, floor, backend)}
+                                                                       cast, k, floor, backend)}
         except Exception as exc:
             result["notes"].append(f"unflattening the exported program failed: {describe(exc, 300)}")
     for method in ("graph", "replay") if program is not None else ("replay",):

@@ -18,7 +18,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from ..attention_backend import backend_context
 from ..modelio import IOModule, attention_implementation
-from .tolerance import OutputCheck, check_output, metrics, ratio
+from ..results import OutputCheck, ratio
+from .tolerance import check_output, metrics
 
 
 @dataclass

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from ..dtypes import name_of
 from ..errors import ReferenceFailed, describe
 from ..inputs import cast_sample
 from ..modelio import IOModule
@@ -162,4 +163,4 @@ def run_reference(io: IOModule, samples: list[dict[str, torch.Tensor]], count_fl
             raise ReferenceFailed(f"the original model does not run in {str(dtype).replace('torch.', '')} on "
                                   f"{where} ({describe(exc, 300)}), so no reference can be computed",
                                   "make the model run in float64 (ops without a float64 kernel cannot)") from None
-    return Reference(outputs, str(dtype).replace("torch.", ""), flops, note, device=device)
+    return Reference(outputs, name_of(dtype), flops, note, device=device)

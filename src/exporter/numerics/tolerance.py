@@ -8,7 +8,7 @@ output. The gate is the rule PyTorch's own benchmark harness uses
     rmse(candidate, ref64) <= k * rmse(eager_in_same_dtype, ref64) + floor * u(dtype) * rms(ref64) + atol
 
 so a candidate may be at most ``k`` times as wrong as the original model
-already is at that precision (``k``'s defaults: ``recipe.K_DEFAULTS``), plus a
+already is at that precision (``k``'s defaults: ``dtypes.K_DEFAULTS``), plus a
 floor in the output's own units: ``floor`` roundings to the candidate's dtype
 (unit roundoff ``u``: 2^-24 for float32, 2^-8 for bfloat16) at the reference
 output's RMS, which only matters where the eager model happens to be exact, plus
@@ -22,78 +22,21 @@ same check with the bar convert stored (:func:`check_against`).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
 
 import torch
+
+from ..dtypes import UNIT_ROUNDOFF
+from ..results import CandidateNumerics, OutputCheck, ratio
 
 Outputs = list[torch.Tensor]  # one model run: outputs in signature order
 
 RULE = "rmse(candidate, ref) <= k * rmse(eager in the candidate's dtype, ref) + floor * u(dtype) * rms(ref) + atol"
 
-# unit roundoff: the largest relative error of one rounding to the dtype
-UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
 
 
 def relative_floor(floor: float, dtype: str) -> float:
     """The floor's factor on rms(reference): ``floor`` unit roundoffs of ``dtype``."""
     return floor * UNIT_ROUNDOFF[dtype]
-
-
-@dataclass
-class OutputCheck:
-    output: str
-    sample: int
-    max_abs: float
-    max_rel: float
-    rel_l2: float
-    cosine: float
-    rmse: float
-    baseline_rmse: float
-    allowed_rmse: float
-    passed: bool
-    reason: str = ""
-
-
-@dataclass
-class CandidateNumerics:
-    candidate: str
-    passed: bool
-    k: float
-    atol: float
-    baseline: str  # which eager run set the bar, e.g. "eager (cuda, bfloat16)"
-    worst: list[OutputCheck] = field(default_factory=list)  # worst sample for each output
-    failures: list[OutputCheck] = field(default_factory=list)
-    checks: list[OutputCheck] = field(default_factory=list)  # every (sample, output), for verify's bars
-    grid: dict | None = None  # the shape grid (exporter.grid), when checked
-    locate: dict | None = None  # divergence localisation (exporter.locate), when run
-
-    def samples(self) -> list[dict]:
-        """Per sample: passed, and its worst output as a ratio of the allowed RMSE."""
-        by_sample: dict[int, dict] = {}
-        for check in self.checks:
-            entry = by_sample.setdefault(check.sample, {"sample": check.sample, "passed": True,
-                                                        "worst_output": None, "ratio": 0.0})
-            entry["passed"] = entry["passed"] and check.passed
-            r = ratio(check)
-            if entry["worst_output"] is None or r > entry["ratio"]:
-                entry["worst_output"], entry["ratio"] = check.output, r
-        return [by_sample[i] for i in sorted(by_sample)]
-
-    def to_dict(self) -> dict:
-        return {"candidate": self.candidate, "passed": self.passed, "k": self.k, "atol": self.atol,
-                "baseline": self.baseline, "outputs": [asdict(c) for c in self.worst],
-                "failures": [asdict(c) for c in self.failures],
-                "samples": self.samples(),
-                "checks": [{"sample": c.sample, "output": c.output, "rmse": c.rmse, "baseline_rmse": c.baseline_rmse,
-                            "allowed_rmse": c.allowed_rmse, "passed": c.passed} for c in self.checks],
-                "grid": self.grid, "locate": self.locate}
-
-
-def ratio(check: OutputCheck) -> float:
-    """How much of its allowance a check used (> 1 fails); inf for NaN/Inf or a shape mismatch."""
-    if not check.passed and check.reason and "rmse" not in check.reason:
-        return math.inf
-    return check.rmse / check.allowed_rmse if check.allowed_rmse > 0 else (0.0 if check.rmse == 0 else math.inf)
 
 
 def _finite(x: float) -> float:

@@ -14,13 +14,14 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from ..dtypes import torch_dtype
 from ..errors import describe
-from ..inputs import TORCH_DTYPES, InputPlan
+from ..inputs import InputPlan
 from ..measure import backend_choice
 from ..measure.kernels import hook
 from ..modelio import IOModule, Signature
 from ..recipe import Recipe
-from ..results import FAILED, NUMERICS_FAILED, OK, VariantResult
+from ..results import FAILED, NUMERICS_FAILED, OK, OutputCheck, VariantResult, ratio
 from ..rewrite.graph_capture import TracedModule
 from ..runners import LocalRunner, RemoteRunner, RunnerFailed, Spares
 from ..targets.spec import Loaded, RunnerSpec
@@ -28,7 +29,7 @@ from .compare import InMemory, read_stream, rmse_of
 from .grid import GridPlan, artifact_signature, describe_signature, plan_grid, point_sample
 from .locate import locate
 from .reference import Reference, cast_in_place, full_float32, run_reference
-from .tolerance import OutputCheck, explain_bar, ratio, relative_floor, verdict_of_checks
+from .tolerance import explain_bar, relative_floor, verdict_of_checks
 
 # What localisation replays for each kind of candidate (the report quotes these).
 REPLAYED = {
@@ -97,7 +98,7 @@ class Validation:
     def local(self, name: str, module: torch.nn.Module, device: str, dtype: str) -> LocalRunner:
         hooks = {"kernels": hook(device),
                  "sdpa_choice": backend_choice.hook(device, self.recipe.runtime.attention_backend)}
-        runner = LocalRunner(name, Loaded(lambda args: list(module(*args)), device, TORCH_DTYPES[dtype], hooks=hooks))
+        runner = LocalRunner(name, Loaded(lambda args: list(module(*args)), device, torch_dtype(dtype), hooks=hooks))
         self.runners.append(runner)
         return runner
 
@@ -127,9 +128,9 @@ class Validation:
     def eager_rmse(self, samples: list[list[torch.Tensor]], references: list[list[torch.Tensor]], device: str,
                    dtype: str) -> list[list[float]]:
         """The original model cast in place to ``device``/``dtype`` (restored afterwards), run on ``samples``."""
-        torch_dtype = TORCH_DTYPES[dtype]
-        with cast_in_place(self.original, torch_dtype, device), torch.inference_mode(), full_float32():
-            runner = LocalRunner("eager", Loaded(lambda a: list(self.original(*a)), device, torch_dtype))
+        cast = torch_dtype(dtype)
+        with cast_in_place(self.original, cast, device), torch.inference_mode(), full_float32():
+            runner = LocalRunner("eager", Loaded(lambda a: list(self.original(*a)), device, cast))
             return [self._rmse(runner.session.outputs(sample), refs) for sample, refs in zip(samples, references)]
 
     @staticmethod

@@ -1,5 +1,6 @@
-"""Stage 5, report: ``report.json`` (:mod:`.assemble`, validated by ``schema.json``), ``report.md``
-(:mod:`.markdown`), a latency chart (:mod:`.chart`), and ``manifest.json`` (:mod:`.files`).
+"""The report stage: ``report.json`` (:mod:`.assemble`, validated by ``schema.json``), ``report.md``
+(:mod:`.markdown`), a latency chart (:mod:`.chart`), and ``manifest.json`` (:mod:`.files`); a
+``--task text-generation`` run's report and its schema are :mod:`.generation`.
 
 Every file is written atomically; ``manifest.json`` is written last, so its presence means the run
 finished. It holds the SHA-256 of the checkpoint and of every file in the output folder, the resolved

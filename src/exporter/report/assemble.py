@@ -1,5 +1,9 @@
 """The report's data: one dict for ``report.json`` (its JSON Schema: ``schema.json`` beside this module;
-the fields in docs/report-schema.md), from everything the stages found."""
+the fields in docs/report-schema.md), from everything the stages found.
+
+The sections every report has (the verdict, the model, the recipe, the run's timings and environment) are
+made here, once, for the forward report (:func:`assemble`) and the generation report
+(:mod:`exporter.report.generation`) alike; both carry :data:`REPORT_SCHEMA_VERSION`."""
 
 from __future__ import annotations
 
@@ -8,12 +12,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..dtypes import K_DEFAULTS, name_of
 from ..environment import device_info, versions
-from ..errors import EXIT_NUMERICS, EXIT_OK, EXIT_TARGET
 from ..numerics.tolerance import RULE
 from ..outdir import model_name, public_path
-from ..recipe import K_DEFAULTS, public_source
-from ..results import FAILED, NUMERICS_FAILED, OK, SKIPPED, VariantResult
+from ..recipe import public_source
+from ..results import VariantResult, exit_code, passed, problem_lines
 
 REPORT_SCHEMA_VERSION = 1
 MANIFEST_SCHEMA_VERSION = 1
@@ -23,6 +27,54 @@ SCHEMA_FILE = Path(__file__).with_name("schema.json")  # shipped in the wheel be
 def report_schema() -> dict[str, Any]:
     """The JSON Schema (draft 2020-12) every ``report.json`` of this schema version validates against."""
     return json.loads(SCHEMA_FILE.read_text(encoding="utf-8"))
+
+
+def verdict_section(rows: list[tuple[str, str, str | None]], allow_drift: bool, warnings: list[str],
+                    task: str | None = None) -> dict[str, Any]:
+    """The report's head: schema version, when, passed, the exit code and its problems, from each candidate's
+    ``(name, status, error)``."""
+    head: dict[str, Any] = {"schema_version": REPORT_SCHEMA_VERSION}
+    if task is not None:
+        head["task"] = task
+    return {**head, "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "passed": passed([status for _, status, _ in rows]),
+            "exit_code": exit_code((status for _, status, _ in rows), allow_drift), "problems": problem_lines(rows),
+            "allow_drift": allow_drift, "warnings": list(warnings)}
+
+
+def checkpoint_dtypes(checkpoint) -> dict[str, int]:
+    """How many tensors of each dtype a checkpoint holds."""
+    dtypes: dict[str, int] = {}
+    for info in checkpoint.entries.values():
+        key = name_of(info.dtype)
+        dtypes[key] = dtypes.get(key, 0) + 1
+    return dtypes
+
+
+def model_section(checkpoint: Path, loaded) -> dict[str, Any]:
+    return {
+        "name": model_name(Path(checkpoint)),
+        "checkpoint": public_path(checkpoint),  # made relative to the output folder once it is known
+        "format": loaded.checkpoint.format,
+        "architecture": loaded.architecture.name,
+        "architecture_source": loaded.architecture.source,
+        "parameters": sum(p.numel() for p in loaded.model.parameters()),
+        "checkpoint_bytes": loaded.checkpoint.nbytes,
+        "checkpoint_dtypes": checkpoint_dtypes(loaded.checkpoint),
+    }
+
+
+def recipe_section(recipe) -> dict[str, Any]:
+    return {"name": recipe.name, "source": public_source(recipe), "device": recipe.runtime.device,
+            "dtype": recipe.runtime.dtype, "attention_backend": recipe.runtime.attention_backend,
+            "rewrite_attention": recipe.runtime.rewrite_attention, "targets": list(recipe.targets.build)}
+
+
+def run_section(recipe, timings: dict[str, float], total_s: float) -> dict[str, Any]:
+    """Each stage's seconds and the whole run's, the software versions and the device."""
+    return {"timings_s": {**{k: round(v, 3) for k, v in timings.items()}, "total": round(total_s, 3)},
+            "environment": {"versions": versions(), "device": device_info(recipe.runtime.device,
+                                                                        host=recipe.report.host)}}
 
 
 def _variant_dict(result: VariantResult) -> dict[str, Any]:
@@ -47,54 +99,14 @@ def _variant_dict(result: VariantResult) -> dict[str, Any]:
     }
 
 
-def _exit_code(results: list[VariantResult], allow_drift: bool) -> tuple[int, list[str]]:
-    problems = []
-    numerics_failed = [r for r in results if r.status == NUMERICS_FAILED]
-    failed = [r for r in results if r.status == FAILED]
-    for r in numerics_failed:
-        problems.append(f"{r.name}: numerics failed: {r.error}")
-    for r in failed:
-        problems.append(f"{r.name}: {r.error}")
-    if numerics_failed and not allow_drift:
-        return EXIT_NUMERICS, problems
-    if failed:
-        return EXIT_TARGET, problems
-    return EXIT_OK, problems
-
-
 def assemble(*, recipe, checkpoint, loaded, plan, signature, reference, audit, results, eager_bench, allow_drift,
              warnings, timings, staging, total_s, grid=None, eager_kernels=None, backend_choice=None) -> dict[str, Any]:
-    exit_code, problems = _exit_code(results, allow_drift)
-    model = loaded.model
-    params = sum(p.numel() for p in model.parameters())
-    dtypes: dict[str, int] = {}
-    for info in loaded.checkpoint.entries.values():
-        key = str(info.dtype).replace("torch.", "")
-        dtypes[key] = dtypes.get(key, 0) + 1
-    passed = all(r.status in (OK, SKIPPED) for r in results)
     dynamic = {name: {str(axis): {"dim": d.name, "min": d.min, "max": d.max} for axis, d in axes.items()}
                for name, axes in plan.dynamic_axes().items()}
     return {
-        "schema_version": REPORT_SCHEMA_VERSION,
-        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "passed": passed,
-        "exit_code": exit_code,
-        "problems": problems,
-        "allow_drift": allow_drift,
-        "warnings": list(warnings),
-        "model": {
-            "name": model_name(Path(checkpoint)),
-            "checkpoint": public_path(checkpoint),  # made relative to the output folder once it is known
-            "format": loaded.checkpoint.format,
-            "architecture": loaded.architecture.name,
-            "architecture_source": loaded.architecture.source,
-            "parameters": params,
-            "checkpoint_bytes": loaded.checkpoint.nbytes,
-            "checkpoint_dtypes": dtypes,
-        },
-        "recipe": {"name": recipe.name, "source": public_source(recipe), "device": recipe.runtime.device,
-                   "dtype": recipe.runtime.dtype, "attention_backend": recipe.runtime.attention_backend,
-                   "rewrite_attention": recipe.runtime.rewrite_attention, "targets": list(recipe.targets.build)},
+        **verdict_section([(r.name, r.status, r.error) for r in results], allow_drift, warnings),
+        "model": model_section(checkpoint, loaded),
+        "recipe": recipe_section(recipe),
         "inputs": {
             "source": plan.source,
             "seed": plan.seed,
@@ -121,6 +133,5 @@ def assemble(*, recipe, checkpoint, loaded, plan, signature, reference, audit, r
                      "bench": eager_bench},
         "rewritten": _variant_dict(results[0]),
         "artifacts": [_variant_dict(r) for r in results[1:]],
-        "timings_s": {**{k: round(v, 3) for k, v in timings.items()}, "total": round(total_s, 3)},
-        "environment": {"versions": versions(), "device": device_info(recipe.runtime.device, host=recipe.report.host)},
+        **run_section(recipe, timings, total_s),
     }

@@ -11,6 +11,7 @@ from typing import Any
 from ..outdir import sha256_file, write_atomic, write_json
 from .assemble import MANIFEST_SCHEMA_VERSION
 from .chart import write_chart
+from .generation import TASK, render_generation
 from .markdown import render_markdown
 
 
@@ -61,12 +62,10 @@ def write_all(staging: Path, report: dict[str, Any], extra: dict[str, Any]) -> N
     _drop_empty_logs(staging)
     recipe_dict = extra.get("recipe")
     write_json(staging / "recipe.json", recipe_dict)
-    if report.get("task") == "text-generation":
-        from ..generation.markdown import render  # noqa: PLC0415
-
+    if report.get("task") == TASK:
         report["chart"] = None
         write_json(staging / "report.json", report)
-        write_atomic(staging / "report.md", render(report))
+        write_atomic(staging / "report.md", render_generation(report))
     else:
         report["chart"] = write_chart(report, staging)
         write_json(staging / "report.json", report)

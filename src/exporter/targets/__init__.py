@@ -1,23 +1,28 @@
 """The export stage: one module per artifact kind, each declared once in :data:`TARGETS`, in build order.
 
 Each target declares what it needs (``requires``: importable modules; ``needs_program``: the torch.export
-program) and provides ``build`` (in the convert process, into the staging folder) and ``load`` (in the
-process that runs it). The contract is in :mod:`exporter.targets.spec`; building them all, in this order,
-is :func:`exporter.targets.build.build_targets`. This module imports no torch: the command line reads
-:data:`NAMES` for its help.
+program), the files of a decoder's prefill and decode programs it writes for ``--task text-generation``
+(``decoder``; none, and why, in ``decoder_note``), and provides ``build`` (in the convert process, into the
+staging folder) and ``load`` (in the process that runs it). The run contract is :mod:`exporter.targets.spec`,
+what a target is built from :mod:`exporter.targets.context`; building them all, in this order, is
+:func:`exporter.targets.build.build_targets`. This module imports no torch: the command line reads :data:`NAMES`
+for its help and the recipe parser checks target names against it.
 """
 
 from __future__ import annotations
 
-from .spec import BuildContext, Built, Loaded, ModelSource, RunnerSpec, Target
+from .spec import DecoderLoaded, Loaded, ModelSource, RunnerSpec, Target
 
 TARGETS: tuple[Target, ...] = (
     Target("exported_program", "exporter.targets.exported_program", "torch.export program (.pt2)",
-           needs_program=True),
-    Target("aoti", "exporter.targets.aoti", "AOTInductor package (.pt2)", needs_program=True),
+           needs_program=True, decoder=("prefill.pt2", "decode.pt2")),
+    Target("aoti", "exporter.targets.aoti", "AOTInductor package (.pt2)", needs_program=True,
+           decoder=("prefill.aoti.pt2", "decode.aoti.pt2"), preload=True),
     Target("onnx", "exporter.targets.onnx", "ONNX (dynamo exporter) run with onnxruntime",
-           requires=("onnx", "onnxruntime", "onnxscript"), needs_program=True),
-    Target("compile", "exporter.targets.compile", "torch.compile of the rewritten model (benchmark variant)"),
+           requires=("onnx", "onnxruntime", "onnxscript"), needs_program=True, decoder=("prefill.onnx", "decode.onnx")),
+    Target("compile", "exporter.targets.compile", "torch.compile of the rewritten model (benchmark variant)",
+           decoder_note="not built for text-generation: the AOTI decode replayed in a CUDA graph is the compiled "
+                        "decode this run times"),
     Target("tensorrt", "exporter.targets.tensorrt", "Torch-TensorRT", requires=("torch_tensorrt", "tensorrt"),
            needs_program=True, loadable=False),
 )
@@ -36,5 +41,4 @@ def load_runner(spec: RunnerSpec) -> Loaded:
     return get(spec.target).load(spec)
 
 
-__all__ = ["TARGETS", "NAMES", "Target", "BuildContext", "Built", "Loaded", "ModelSource", "RunnerSpec", "get",
-           "load_runner"]
+__all__ = ["TARGETS", "NAMES", "Target", "DecoderLoaded", "Loaded", "ModelSource", "RunnerSpec", "get", "load_runner"]

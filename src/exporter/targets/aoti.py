@@ -4,6 +4,11 @@ Loading a package runs native code; on some machines it crashed the process
 inside std::regex until the compiler's libstdc++ was preloaded (see
 exporter.targets.toolchain). Every artifact is loaded in a child process, so a crash
 fails this target only.
+
+For ``--task text-generation`` it compiles the decoder's two programs (``prefill.aoti.pt2``,
+``decode.aoti.pt2``) without their weights, which are written once in ``generation.aoti.weights.safetensors``
+and handed to both at load (``aoti_loader.load_package``'s ``weights`` and ``constants``): one copy of the
+weights on disk and on the device, not one per program (:func:`build_decoder`, :func:`load_decoder`).
 """
 
 from __future__ import annotations
@@ -13,27 +18,32 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch._inductor.config as inductor_config
 from safetensors.torch import load_file
 
 from ..attention_backend import backend_context
-from ..inputs import TORCH_DTYPES
+from ..dtypes import torch_dtype
 from ..measure.kernels import hook
 from ..outdir import save_named_tensors
 from . import aoti_loader
 from .aoti_loader import CudaGraphed, load_package
+from .context import BuildContext, Built, DecoderPrograms
 from .exported_program import core_aten
-from .spec import BuildContext, Built, Loaded, RunnerSpec
+from .exported_program import decoder_attention as decoder_attention
+from .spec import DecoderLoaded, Loaded, RunnerSpec
 from .toolchain import aoti_preload
+
+if TYPE_CHECKING:
+    from ..recipe import Recipe
 
 FILE = "model.aoti.pt2"
 LOADER = "aoti_loader.py"  # a copy of exporter/targets/aoti_loader.py: loads the package without a compiler
 # Above this, the weights go beside the package in a safetensors file (``aoti_loader.weights_beside``) instead of
 # inside its library: written in slices from the GPU, where Inductor's own packaging holds every weight in host
-# memory (two copies with torch 2.11; benchmarks/convert_time_notes.md). ``aoti_loader.load_package`` hands them
+# memory (two copies with torch 2.11; docs/convert-time-notes.md). ``aoti_loader.load_package`` hands them
 # to the package at load. EXPORTER_AOTI_WEIGHTS_APART_ABOVE (bytes) overrides the threshold.
 WEIGHTS_APART_ABOVE_BYTES = 4 * 2**30
 
@@ -115,7 +125,7 @@ def load(spec: RunnerSpec) -> Loaded:
     def call(args):
         return _as_list(runner(*args))
 
-    return Loaded(call, spec.device, TORCH_DTYPES[spec.dtype], hooks={"kernels": hook(spec.device, HINT)})
+    return Loaded(call, spec.device, torch_dtype(spec.dtype), hooks={"kernels": hook(spec.device, HINT)})
 
 
 HINT = "an AOTInductor package records its SDPA calls only when compiled with cpp.enable_kernel_profile"
@@ -139,9 +149,54 @@ def _load_graphed(spec: RunnerSpec) -> Loaded:
             info["captured"].append([list(shape) for shape, _ in key])
         return _as_list(graphed(*args))
 
-    source, dtype = spec.model_source(), TORCH_DTYPES[spec.dtype]
+    source, dtype = spec.model_source(), torch_dtype(spec.dtype)
     stored = load_file(source.example_file)
     example = [stored[f"0.{name}"] for name in source.inputs]
     with torch.inference_mode():
         call([(t.to(dtype) if t.is_floating_point() else t).to(spec.device) for t in example])
-    return Loaded(call, spec.device, TORCH_DTYPES[spec.dtype], info, hooks={"kernels": hook(spec.device, HINT)})
+    return Loaded(call, spec.device, torch_dtype(spec.dtype), info, hooks={"kernels": hook(spec.device, HINT)})
+
+
+DECODER_WEIGHTS = "generation.aoti.weights.safetensors"  # the weights of both decoder programs, once
+
+
+def shared_tensors(prefill: list[tuple[str, torch.Tensor]],
+                   decode: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """The constants of both programs, each name once. Both come from one module, so a name they share is one
+    weight; one that differed between them (a constant traced differently) could not be shared, and is refused."""
+    merged = dict(prefill)
+    for name, tensor in decode:
+        mine = merged.setdefault(name, tensor)
+        if mine is not tensor and (mine.shape != tensor.shape or mine.dtype != tensor.dtype
+                                   or not torch.equal(mine, tensor)):
+            raise RuntimeError(f"the prefill and decode programs hold different values for constant {name!r}: "
+                               "their weights cannot be shared")
+    return sorted(merged.items())
+
+
+def build_decoder(programs: DecoderPrograms, recipe: Recipe, files: tuple[Path, ...]) -> list[Path]:
+    """Both packages without their weights, the weights once beside them, and the loader."""
+    device = recipe.runtime.device
+    staging = files[0].parent
+    tensors = shared_tensors(program_tensors(programs.prefill), program_tensors(programs.decode))
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(backend_context(recipe.runtime.attention_backend, device))
+        if device != "cpu":
+            stack.enter_context(inductor_config.patch({"cpp.vec_isa_ok": False}))
+        configs = {"aot_inductor.package_constants_in_so": False}
+        for program, path in zip((programs.prefill, programs.decode), files):
+            torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=configs)
+    weights = staging / DECODER_WEIGHTS
+    save_named_tensors(weights, tensors)
+    loader = staging / LOADER
+    shutil.copyfile(aoti_loader.__file__, loader)
+    return [*files, weights, loader]
+
+
+def load_decoder(files: tuple[Path, ...]) -> DecoderLoaded:
+    prefill_file, decode_file = files
+    weights = str(prefill_file.parent / DECODER_WEIGHTS)
+    prefill = load_package(prefill_file, weights=weights)
+    decode = load_package(decode_file, weights=weights, constants=prefill.constants)
+    return DecoderLoaded(prefill, decode,
+                         lambda: load_package(decode_file, weights=weights, constants=prefill.constants))

@@ -16,8 +16,9 @@ from ..errors import ExporterError, describe
 from ..outdir import disk_full, file_entry, os_problem
 from ..results import FAILED, SKIPPED, VariantResult
 from . import TARGETS
+from .context import BuildContext, build
 from .exported_program import export_program
-from .spec import BuildContext, RunnerSpec, Target, TargetSkipped
+from .spec import RunnerSpec, Target, TargetSkipped
 
 
 def stop_compile_workers() -> None:
@@ -42,14 +43,14 @@ def build_targets(ctx: BuildContext, progress, log: Callable[[str, str], None],
     wanted = sorted((t for t in TARGETS if t.name in ctx.recipe.targets.build), key=lambda t: t.needs_program)
     built: list[tuple[VariantResult, RunnerSpec | None]] = []
 
-    def build(target: Target) -> None:
+    def build_one(target: Target) -> None:
         for result, spec in _build_one(target, ctx, progress, log):
             built.append((result, spec))
             if on_built is not None:
                 on_built(result, spec)
 
     for target in [t for t in wanted if not t.needs_program]:
-        build(target)
+        build_one(target)
     if any(t.needs_program and t.unavailable() is None for t in wanted):
         with progress.stage("torch.export"):
             t0 = time.perf_counter()
@@ -63,7 +64,7 @@ def build_targets(ctx: BuildContext, progress, log: Callable[[str, str], None],
                 progress.warn(f"torch.export failed: {ctx.program_error}")
             ctx.program_export_s = time.perf_counter() - t0
     for target in [t for t in wanted if t.needs_program]:
-        build(target)
+        build_one(target)
     stop_compile_workers()
     order = {t.name: i for i, t in enumerate(TARGETS)}
     return sorted(built, key=lambda pair: order[pair[0].target])
@@ -83,7 +84,7 @@ def _build_one(target: Target, ctx: BuildContext, progress,
     try:
         with progress.stage(f"build {name}"):
             try:
-                items = target.build(ctx)
+                items = build(target, ctx)
             except TargetSkipped as exc:  # a decision, not a failure of the stage
                 skipped = exc
     except ExporterError:

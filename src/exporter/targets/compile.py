@@ -14,11 +14,12 @@ import time
 import torch
 
 from ..attention_backend import backend_context
-from ..inputs import TORCH_DTYPES
+from ..dtypes import torch_dtype
 from ..measure.kernels import hook
 from ..prepare import from_source, place
 from ..rewrite.transformers_masks import positions_from_model, trivial_masks_skipped
-from .spec import BuildContext, Built, Loaded, RunnerSpec
+from .context import BuildContext, Built
+from .spec import Loaded, RunnerSpec
 
 
 def build(ctx: BuildContext) -> list[Built]:
@@ -54,8 +55,8 @@ def load(spec: RunnerSpec) -> Loaded:
 
     # Compile now, at load: the process loads while convert builds the other targets, so the compile overlaps
     # them instead of following them. The inputs are the stored sample 0, as the first timed call would see.
-    example = [(t.to(TORCH_DTYPES[spec.dtype]) if t.is_floating_point() else t).to(spec.device)
+    example = [(t.to(torch_dtype(spec.dtype)) if t.is_floating_point() else t).to(spec.device)
                for t in prepared.example]
     with torch.inference_mode():
         call(example)
-    return Loaded(call, spec.device, TORCH_DTYPES[spec.dtype], info, hooks={"kernels": hook(spec.device)})
+    return Loaded(call, spec.device, torch_dtype(spec.dtype), info, hooks={"kernels": hook(spec.device)})

@@ -3,23 +3,31 @@
 The program is decomposed to core ATen with SDPA kept out of the table, so
 attention stays one fused ``scaled_dot_product_attention`` node instead of
 turning back into matmul + softmax (the default table decomposes it).
+
+For ``--task text-generation`` it writes the decoder's two programs, ``prefill.pt2`` and ``decode.pt2``
+(:func:`build_decoder`), and loads them back as modules (:func:`load_decoder`).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.export import default_decompositions
 
 from ..attention_backend import backend_context
+from ..dtypes import torch_dtype
 from ..errors import shorten
-from ..inputs import TORCH_DTYPES
 from ..measure.kernels import hook
 from ..rewrite.graph_facts import count_graph_ops
 from ..rewrite.transformers_masks import positions_from_model, trivial_masks_skipped
-from .spec import BuildContext, Built, Loaded, RunnerSpec
+from .context import BuildContext, Built, DecoderPrograms
+from .spec import DecoderLoaded, Loaded, RunnerSpec
+
+if TYPE_CHECKING:
+    from ..recipe import Recipe
 
 FILE = "model.pt2"
 
@@ -106,4 +114,26 @@ def load(spec: RunnerSpec) -> Loaded:
         with backend_context(spec.attention_backend, spec.device):
             return list(module(*args))
 
-    return Loaded(call, spec.device, TORCH_DTYPES[spec.dtype], hooks={"kernels": hook(spec.device)})
+    return Loaded(call, spec.device, torch_dtype(spec.dtype), hooks={"kernels": hook(spec.device)})
+
+
+def program_attention(program: Any) -> dict[str, int]:
+    """SDPA and softmax nodes in a program's graph: what its attention runs as."""
+    ops = count_graph_ops(program.graph_module.graph)
+    return {"sdpa": ops["sdpa"], "softmax": ops["softmax"]}
+
+
+def build_decoder(programs: DecoderPrograms, recipe: Recipe, files: tuple[Path, ...]) -> list[Path]:
+    """``prefill.pt2`` and ``decode.pt2``: the two programs as exported (core ATen, SDPA kept)."""
+    for program, path in zip((programs.prefill, programs.decode), files):
+        torch.export.save(program, str(path))
+    return list(files)
+
+
+def load_decoder(files: tuple[Path, ...]) -> DecoderLoaded:
+    prefill, decode = (torch.export.load(str(path)).module() for path in files)
+    return DecoderLoaded(prefill, decode)
+
+
+def decoder_attention(programs: DecoderPrograms, files: tuple[Path, ...]) -> dict[str, dict[str, int]]:
+    return {"prefill": program_attention(programs.prefill), "decode": program_attention(programs.decode)}

@@ -12,30 +12,39 @@ report: a release gets no ONNX artifact that nobody has run, rather than one che
 nowhere. ``onnx_dtype = "float32"`` builds a float32 ONNX model instead and checks it
 on the CPU provider (its bar: the float32 eager model); that takes float32 copies of
 the weights on the host, so above about 1.3 GiB of float32 weights it is skipped too.
+
+For ``--task text-generation`` it writes the decoder's programs with the cache in and out (Optimum's
+``-with-past`` layout), ``prefill.onnx`` and ``decode.onnx`` (:func:`build_decoder`, :func:`load_decoder`).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import onnxscript.optimizer
 import torch
+from onnx.external_data_helper import uses_external_data
 
-from ..inputs import TORCH_DTYPES
+from ..dtypes import torch_dtype
 from ..measure.kernels import onnxruntime_hook
 from ..numerics.reference import cast_in_place
 from ..rewrite.onnx_attention_masks import expand_attention_masks
+from .context import BuildContext, Built, DecoderPrograms
 from .exported_program import export_module
-from .spec import BuildContext, Built, Loaded, RunnerSpec, TargetSkipped
+from .spec import DecoderLoaded, Loaded, RunnerSpec, TargetSkipped
+
+if TYPE_CHECKING:
+    from ..recipe import Recipe
 
 FILE = "model.onnx"
 # A GPU recipe without onnxruntime's CUDA provider checks ONNX in float32 on the CPU: the export, the saved
@@ -230,5 +239,147 @@ def load(spec: RunnerSpec) -> Loaded:
         return [torch.from_numpy(np.asarray(o)) for o in session.run(None, feed)]
 
     return Loaded(call, "cpu" if spec.option("provider") == "CPUExecutionProvider" else spec.device,
-                  TORCH_DTYPES[spec.dtype], {"provider": spec.option("provider")},
+                  torch_dtype(spec.dtype), {"provider": spec.option("provider")},
                   hooks={"kernels": onnxruntime_hook(spec.file(), spec.option("provider"))})
+
+
+# --------------------------------------------------------------------------- decoder programs
+# ONNX has no in-place update of an input, so the decoder's programs are the step in the form Hugging Face Optimum's
+# ``text-generation-with-past`` exports use: the static cache goes in as ``past_key_values.{layer}.key`` /
+# ``.value`` ``[B, kv_heads, C, head_dim]`` and comes out updated as ``present.{layer}.key`` / ``.value`` (the whole
+# static cache, the step's positions written), beside ``logits`` ``[B, vocab]``; the other inputs are
+# ``DecoderStep``'s (``input_ids [B, q]``, ``padding_mask [B, C]``, ``cache_position [q]``). The two programs
+# (``generation.programs.PastStep``, exported with the others) are translated by the dynamo exporter (SDPA becomes
+# ONNX ``Attention`` at opset 23) into ``prefill.onnx`` and ``decode.onnx``, checked with ``onnx.checker``, with
+# ``generation.onnx.data`` holding the weights of both once. ``OnnxStep`` runs one with onnxruntime behind
+# ``DecoderStep``'s in-place signature (it copies ``present`` into the caller's cache). Built for CPU recipes in
+# float32 (:func:`decoder_refusal` says why not elsewhere).
+
+DECODER_WEIGHTS = "generation.onnx.data"  # the weights of both ONNX programs, once
+
+
+def decoder_refusal(device: str, dtype: str) -> str | None:
+    """Why the ONNX programs cannot be built and run here for a recipe at ``device``/``dtype`` (None: they can)."""
+    if not device.startswith("cpu"):
+        return ("not built for text-generation on a GPU recipe: this onnxruntime has no CUDA execution provider, "
+                "so the ONNX programs could not be run and checked here (convert with a CPU float32 recipe, "
+                "e.g. cpu-fp32, for ONNX generation programs)")
+    if dtype != "float32":
+        return (f"not built for text-generation in {dtype}: onnxruntime's CPU provider has no {dtype} kernels "
+                "for these programs (convert with runtime.dtype=float32)")
+    return None
+
+
+def input_names(layers: int) -> list[str]:
+    past = [f"past_key_values.{layer}.{part}" for layer in range(layers) for part in ("key", "value")]
+    return ["input_ids", "padding_mask", "cache_position", *past]
+
+
+def output_names(layers: int) -> list[str]:
+    return ["logits", *[f"present.{layer}.{part}" for layer in range(layers) for part in ("key", "value")]]
+
+
+def build_decoder(programs: DecoderPrograms, recipe: Recipe, files: tuple[Path, ...]) -> list[Path]:
+    """Translate the two programs with the cache in and out (``programs.past``) to ONNX, one weights file for
+    both; returns the files written."""
+    if programs.past is None:
+        raise RuntimeError(f"the programs with the cache in and out could not be exported: {programs.past_error}")
+    layers, opset = programs.layers, recipe.targets.onnx_opset
+    paths = list(files)
+    for program, path in zip(programs.past, paths):
+        onnx_program = torch.onnx.export(program, (), dynamo=True, opset_version=opset,
+                                         input_names=input_names(layers), output_names=output_names(layers),
+                                         verbose=False, optimize=False)
+        if onnx_program is None:  # only the legacy exporter returns nothing
+            raise RuntimeError("torch.onnx.export returned no ONNX program")
+        optimize(onnx_program)
+        onnx_program.save(str(path), external_data=True)  # weights in <name>.data, written tensor by tensor
+        del onnx_program
+    data = paths[0].parent / DECODER_WEIGHTS
+    share_weights(paths[0], paths[1], data)
+    for path in paths:
+        onnx.checker.check_model(str(path), full_check=True)
+    return [*paths, data]
+
+
+def decoder_attention(programs: DecoderPrograms, files: tuple[Path, ...]) -> dict[str, dict[str, int]]:
+    """``Attention`` (what SDPA becomes) and ``Softmax`` nodes in each written program's graph."""
+    return {label: _attention_ops(path) for label, path in zip(("prefill", "decode"), files)}
+
+
+def _attention_ops(path: Path) -> dict[str, int]:
+    count = collections.Counter(node.op_type for node in onnx.load(str(path), load_external_data=False).graph.node)
+    return {"sdpa": count.get("Attention", 0), "softmax": count.get("Softmax", 0)}
+
+
+def share_weights(prefill: Path, decode: Path, data: Path) -> None:
+    """Make ``data`` the one weights file of both models: the prefill's own external data becomes ``data``,
+    and each decode initializer that holds the same bytes under the same name points at the prefill's copy.
+    One that differs (a constant traced differently) is kept inside ``decode`` itself."""
+    folder = prefill.parent
+    first = onnx.load(str(prefill), load_external_data=False)
+    os.replace(prefill.with_name(prefill.name + ".data"), data)
+    where: dict[str, tuple[Any, dict[str, str]]] = {}
+    for tensor in first.graph.initializer:
+        if uses_external_data(tensor):
+            entries = {e.key: e.value for e in tensor.external_data}
+            entries["location"] = data.name
+            _set_external(tensor, entries)
+            where[tensor.name] = (tensor, entries)
+    onnx.save(first, str(prefill))
+    second = onnx.load(str(decode), load_external_data=False)
+    own = decode.with_name(decode.name + ".data")
+    for tensor in second.graph.initializer:
+        if not uses_external_data(tensor):
+            continue
+        entries = {e.key: e.value for e in tensor.external_data}
+        mine = _read(folder / entries["location"], entries)
+        known = where.get(tensor.name)
+        if known is not None and list(known[0].dims) == list(tensor.dims) \
+                and known[0].data_type == tensor.data_type and _read(data, known[1]) == mine:
+            _set_external(tensor, known[1])
+        else:
+            del tensor.external_data[:]
+            tensor.data_location = onnx.TensorProto.DEFAULT
+            tensor.raw_data = mine
+    onnx.save(second, str(decode))
+    own.unlink(missing_ok=True)
+
+
+def _set_external(tensor: Any, entries: dict[str, str]) -> None:
+    del tensor.external_data[:]
+    for key, value in entries.items():
+        item = tensor.external_data.add()
+        item.key, item.value = key, value
+
+
+def _read(path: Path, entries: dict[str, str]) -> bytes:
+    with open(path, "rb") as handle:
+        handle.seek(int(entries.get("offset", 0)))
+        length = entries.get("length")
+        return handle.read(int(length)) if length is not None else handle.read()
+
+
+class OnnxStep:
+    """One ONNX program run by onnxruntime (CPU provider) with ``DecoderStep``'s signature: the updated cache it
+    returns is copied into the caller's tensors."""
+
+    def __init__(self, path: Path):
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        self.session = ort.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
+        self.names = [i.name for i in self.session.get_inputs()]
+
+    def __call__(self, input_ids: torch.Tensor, padding_mask: torch.Tensor, cache_position: torch.Tensor,
+                 kv: list[torch.Tensor]) -> torch.Tensor:
+        values = (input_ids, padding_mask, cache_position, *kv)
+        feed = {name: t.detach().cpu().contiguous().numpy() for name, t in zip(self.names, values)}
+        logits, *present = self.session.run(None, feed)
+        for tensor, updated in zip(kv, present):
+            tensor.copy_(torch.from_numpy(updated))
+        return torch.from_numpy(logits)
+
+
+def load_decoder(files: tuple[Path, ...]) -> DecoderLoaded:
+    prefill, decode = (OnnxStep(path) for path in files)
+    return DecoderLoaded(prefill, decode)

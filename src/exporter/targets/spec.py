@@ -1,12 +1,14 @@
-"""The contract between a target and the processes that build and run it.
+"""The run contract: how a target's artifacts are described to, and loaded by, the process that runs them.
 
-``Target`` declares an artifact kind once: its name, where its ``build`` (in the convert process, into the
-staging folder) and ``load`` (in the process that runs it) live, and what it needs. ``BuildContext`` is what
-``build`` gets; ``Built`` what it returns, with a ``RunnerSpec``: the plain, picklable description from which
-another process loads the variant (``load`` returns ``Loaded``). ``ModelSource`` says how a process rebuilds
-the model itself from the checkpoint (the compile variants).
+``Target`` declares an artifact kind once: its name, the module that builds and loads it, what it needs, and the
+files it writes for a decoder's prefill and decode programs (``--task text-generation``). ``RunnerSpec`` is the
+plain, picklable description from which another process loads a variant (the target's ``load`` returns
+``Loaded``); ``load_decoder`` loads a decoder's two programs back (``DecoderLoaded``). ``ModelSource`` says how a
+process rebuilds the model itself from the checkpoint (the compile variants). What a target is built from, in the
+convert process, is :mod:`exporter.targets.context`.
 
-Nothing here imports torch at module level, so the target list can be read by the command line's help.
+Nothing here imports torch or another exporter stage at module level, so the target list can be read by the
+command line's help and by the recipe parser.
 """
 
 from __future__ import annotations
@@ -21,10 +23,6 @@ from ..errors import describe
 
 if TYPE_CHECKING:
     import torch
-
-    from ..inputs import InputPlan
-    from ..modelio import IOModule
-    from ..recipe import Recipe
 
 
 class RunnerFailed(Exception):
@@ -100,48 +98,27 @@ class Loaded:
     hooks: dict[str, Callable[..., Any]] = field(default_factory=dict)  # extra commands, e.g. a profiler
 
 
-@dataclass
-class BuildContext:
-    io: IOModule  # the rewritten model, on the recipe's device and dtype
-    plan: InputPlan
-    recipe: Recipe
-    staging: Path
-    source: ModelSource
-    example: list[torch.Tensor]  # sample 0 on the recipe's device and dtype
-    program: Any = None  # torch.export.ExportedProgram (training IR), set once exported
-    program_error: str | None = None
-    program_export_s: float = 0.0
-    decomposed: Any = None  # the program in core ATen with SDPA kept, made on first need (exported_program.core_aten)
-    decompose_s: float = 0.0
-    notes: list[str] = field(default_factory=list)  # about the exported program, for every target built from it
-
-    @property
-    def device(self) -> str:
-        return self.recipe.runtime.device
-
-    @property
-    def dtype(self) -> str:
-        return self.recipe.runtime.dtype
+Step = Callable[..., Any]  # DecoderStep's signature: (input_ids, padding_mask, cache_position, kv) -> logits
 
 
 @dataclass
-class Built:
-    target: str
-    name: str  # the variant's name in the report
-    runner: RunnerSpec | None
-    path: Path | None = None
-    files: list[Path] = field(default_factory=list)
-    build_s: float = 0.0
-    notes: list[str] = field(default_factory=list)
-    graph: dict[str, Any] = field(default_factory=dict)
-    static_shapes: bool = False  # a benchmark variant that runs the shapes it was captured at: not on the grid
-    replays: str | None = None  # the variant whose artifact this one runs (its verdict over the grid holds here)
+class DecoderLoaded:
+    """A decoder's two programs loaded back, callable with ``DecoderStep``'s signature."""
+
+    prefill: Step
+    decode: Step
+    # a second instance of the decode program, for a CUDA graph to capture: an AOTInductor container whose run
+    # was captured cannot run outside the graph again (its completion event was recorded in the capture)
+    fresh_decode: Callable[[], Step] | None = None
 
 
 @dataclass(frozen=True)
 class Target:
     """One artifact kind. ``module`` defines ``build(BuildContext) -> list[Built]`` and, for a target whose
-    artifacts can be run, ``load(RunnerSpec) -> Loaded``; it is imported only when the target is used."""
+    artifacts can be run, ``load(RunnerSpec) -> Loaded``; a target with ``decoder`` files also defines
+    ``build_decoder(DecoderPrograms, Recipe, files) -> list[Path]``, ``load_decoder(files) -> DecoderLoaded``
+    and ``decoder_attention(DecoderPrograms, files)`` (``files``: its ``decoder`` files in the folder). The
+    module is imported only when the target is used (building is :func:`exporter.targets.context.build`)."""
 
     name: str
     module: str
@@ -149,14 +126,39 @@ class Target:
     requires: tuple[str, ...] = ()  # importable modules it needs
     needs_program: bool = False  # built from the torch.export program
     loadable: bool = True
+    decoder: tuple[str, ...] = ()  # the prefill and decode programs' files, for --task text-generation
+    decoder_note: str = "not available for text-generation"  # why there are none, where ``decoder`` is empty
+    preload: bool = False  # its artifacts load with the compiler's libstdc++ preloaded where needed (toolchain)
 
-    def build(self, ctx: BuildContext) -> list[Built]:
-        return importlib.import_module(self.module).build(ctx)
+    def implementation(self) -> Any:
+        return importlib.import_module(self.module)
 
     def load(self, spec: RunnerSpec) -> Loaded:
         if not self.loadable:
             raise RuntimeError(f"target {self.name} cannot be loaded")
-        return importlib.import_module(self.module).load(spec)
+        return self.implementation().load(spec)
+
+    def load_decoder(self, folder: Path) -> DecoderLoaded:
+        """This target's prefill and decode programs in ``folder``, loaded (in the process that runs them)."""
+        if not self.decoder:
+            raise ValueError(f"no generation programs for target {self.name!r}")
+        return self.implementation().load_decoder(self.decoder_files(folder))
+
+    def decoder_refusal(self, device: str, dtype: str) -> str | None:
+        """Why this target builds no decoder programs for a recipe at ``device``/``dtype`` here (None: it does)."""
+        if not self.decoder:
+            return self.decoder_note
+        why = self.unavailable()
+        if why is None and hasattr(self.implementation(), "decoder_refusal"):
+            why = self.implementation().decoder_refusal(device, dtype)
+        return why
+
+    def decoder_files(self, folder: Path) -> tuple[Path, ...]:
+        return tuple(folder / name for name in self.decoder)
+
+    def decoder_built(self, folder: Path) -> bool:
+        """Whether ``folder`` holds this target's prefill and decode programs."""
+        return bool(self.decoder) and all((folder / name).is_file() for name in self.decoder)
 
     def unavailable(self) -> str | None:
         """Why the target cannot run here, or None."""

@@ -3,7 +3,7 @@ reason, when torch_tensorrt cannot be imported (TensorRT's runtime is not instal
 
 from __future__ import annotations
 
-from .spec import BuildContext, Built
+from .context import BuildContext, Built
 
 
 def build(ctx: BuildContext) -> list[Built]:

@@ -1,0 +1,226 @@
+"""On the GPU machine: where the AOTI decode step of a 1B decoder spends its time, and what Inductor options buy.
+
+    PYTHONPATH=src python3 benchmarks/gpu_decode_probe.py [--budget-s 420] [--only 1,2,3] [--no-eager] [--blaslt]
+
+(one 10-minute call builds about four variants; docs/runs/h100-bf16-decode-probe-fused.md took two.)
+Builds the Llama-3.2-1B-shaped decoder of benchmarks/gpu_generation.sh (random weights, bf16, SDPA), exports its
+decode step as ``exporter convert --task text-generation`` does (batch 1..8 dynamic, 512-slot cache), each
+variant with or without the projections fused, the batch fixed or not, an SDPA backend preferred, and compiles
+it with AOTInductor under the variant's Inductor options; for each: the time per token at batch 1
+replayed from a CUDA graph (relaxed capture, as the product times it), the number of kernels one step
+launches and the top kernels by time (torch.profiler). The eager model's step replayed from a graph is the
+first row. Variants are built in order until the time budget is spent; ``--blaslt`` re-times the first three
+packages with cuBLASLt preferred. Writes $OUT/decode-probe.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+
+def reexec_with_preload() -> None:
+    from exporter.targets.toolchain import aoti_preload
+
+    lib = aoti_preload()
+    if lib and lib not in os.environ.get("LD_PRELOAD", ""):
+        os.environ["LD_PRELOAD"] = os.pathsep.join(p for p in (lib, os.environ.get("LD_PRELOAD")) if p)
+        os.execv(sys.executable, [sys.executable, *sys.argv])
+
+
+def build_model():
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(num_hidden_layers=16, hidden_size=2048, intermediate_size=8192,
+                                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                      max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=True)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def profile_step(call, steps: int = 10) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            call()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    kernels = sum(e.count for e in events) / steps
+    top = sorted(events, key=lambda e: -e.device_time_total)[:10]
+    return {"kernels_per_step": kernels,
+            "kernel_ms_per_step": sum(e.device_time_total for e in events) / steps / 1e3,
+            "top": [{"ms": e.device_time_total / steps / 1e3, "count": e.count / steps, "name": e.key[:120]}
+                    for e in top]}
+
+
+def graph_ms(make_call, tokens: int = 200) -> float:
+    from exporter.targets.aoti_loader import capture
+
+    call = make_call()  # kept alive while the graph replays: an AOTI container frees its memory when it goes
+    graph = capture(call)
+    for _ in range(10):
+        graph.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(tokens):
+            graph.replay()
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - t0) / tokens * 1e3)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--budget-s", type=float, default=420.0)
+    parser.add_argument("--only", default="", help="comma-separated variant numbers (1-based) to build; all by default")
+    parser.add_argument("--no-eager", action="store_true", help="skip the eager model's row")
+    parser.add_argument("--blaslt", action="store_true", help="also time the first three packages on cuBLASLt")
+    args = parser.parse_args()
+    reexec_with_preload()
+    start = time.perf_counter()
+    out = Path(os.environ.get("OUT", "/tmp/out"))
+    out.mkdir(parents=True, exist_ok=True)
+    from exporter.attention_backend import backend_context
+    from exporter.generation.cache import DecoderStep, probe_layout
+    from exporter.targets.aoti_loader import load_package
+    from exporter.targets.exported_program import decomposition_table
+
+    model = build_model()
+    step = DecoderStep(model, True)
+    layout = probe_layout(model, True, "cuda")
+    cache_length, batch = 512, 8
+    kv = layout.allocate(1, cache_length, torch.bfloat16, "cuda")
+    ids = torch.zeros(1, 1, dtype=torch.long, device="cuda")
+    pad = torch.ones(1, cache_length, dtype=torch.long, device="cuda")
+    where = torch.tensor([300], device="cuda")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    rows: list[dict] = []
+    if not args.no_eager:
+        with torch.inference_mode():
+            eager: dict = {"variant": "eager model (SDPA), CUDA graph",
+                           "graph_ms": graph_ms(lambda: lambda: step(ids, pad, where, kv))}
+            eager.update(profile_step(lambda: step(ids, pad, where, kv)))
+        rows.append(eager)
+        print(json.dumps(eager)[:400], flush=True)
+
+    def export(static_batch: bool, fuse: bool, backend: str):
+        import contextlib
+
+        from exporter.rewrite.fused_projections import fused_projections
+
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(backend_context(backend, "cuda"))
+            if fuse:  # as generation.fuse_projections does: q, k, v and gate, up as one product each
+                stack.enter_context(fused_projections(model, lambda: step(ids, pad, where, kv)))
+            return export_step(static_batch)
+
+    def export_step(static_batch: bool):
+        example_kv = layout.allocate(1 if static_batch else batch, cache_length, torch.bfloat16, "cuda")
+        n = 1 if static_batch else batch
+        example = (torch.zeros(n, 1, dtype=torch.long, device="cuda"), torch.ones(n, cache_length, dtype=torch.long,
+                   device="cuda"), torch.tensor([256], device="cuda"), example_kv)
+        b = torch.export.Dim.DYNAMIC(min=1, max=batch)
+        shapes = None if static_batch else ({0: b}, {0: b}, None, [{0: b} for _ in example_kv])
+        return torch.export.export(step, example, dynamic_shapes=shapes, strict=False).run_decompositions(
+            decomposition_table())
+
+    autotune = {"max_autotune": True, "coordinate_descent_tuning": True}
+    variants = [  # name, batch fixed at 1, projections fused, Inductor options, SDPA backend preferred
+        ("AOTI, unfused (batch 1..8)", False, False, {}, "auto"),
+        ("AOTI, q/k/v and gate/up fused (generation.fuse_projections, as built)", False, True, {}, "auto"),
+        ("AOTI, fused, batch 1, max-autotune + coordinate descent", True, True, autotune, "auto"),
+        ("AOTI, fused, batch 1..8, max-autotune + coordinate descent", False, True, autotune, "auto"),
+        ("AOTI, batch 1, max-autotune + coordinate descent", True, False, autotune, "auto"),
+        ("AOTI, fused, memory-efficient attention first", False, True, {}, "efficient"),
+        ("AOTI, fused, FlashAttention first", False, True, {}, "flash"),
+    ]
+    def fresh_call(package: Path):
+        # a container whose run was captured cannot run outside the graph: each capture gets its own
+        runner = load_package(package)
+        return lambda: runner(ids, pad, where, kv)
+
+    programs = {}
+    packages: dict[str, Path] = {}
+    row: dict
+    only = {int(n) for n in args.only.split(",") if n}
+    for number, (name, static, fuse, configs, backend) in enumerate(variants, 1):
+        if only and number not in only:
+            continue
+        if time.perf_counter() - start > args.budget_s:
+            rows.append({"variant": name, "skipped": "time budget spent"})
+            continue
+        try:
+            if (static, fuse, backend) not in programs:
+                programs[(static, fuse, backend)] = export(static, fuse, backend)
+            t0 = time.perf_counter()
+            path = out.parent / f"probe-{len(rows)}.pt2"
+            with backend_context(backend, "cuda"):
+                torch._inductor.aoti_compile_and_package(programs[(static, fuse, backend)], package_path=str(path),
+                                                         inductor_configs={"cpp.vec_isa_ok": False, **configs})
+            build_s = time.perf_counter() - t0
+            with torch.inference_mode():
+                row = {"variant": name, "build_s": build_s, "graph_ms": graph_ms(functools.partial(fresh_call, path))}
+                row.update(profile_step(fresh_call(path)))
+        except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, the others still run
+            row = {"variant": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}",
+                   "traceback": traceback.format_exc()[-3000:]}
+            print(row["traceback"], flush=True)
+        rows.append(row)
+        print(json.dumps(row)[:400], flush=True)
+        if "graph_ms" in row:
+            packages[name] = path
+    # the same packages with cuBLASLt behind their matrix products (the extern mm calls ATen's BLAS)
+    for name, path in list(packages.items())[:3] if args.blaslt else []:
+        if time.perf_counter() - start > args.budget_s + 60:
+            break
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        try:
+            with torch.inference_mode():
+                row = {"variant": f"{name}, cuBLASLt", "graph_ms": graph_ms(functools.partial(fresh_call, path))}
+                row.update(profile_step(fresh_call(path)))
+        except Exception as exc:  # noqa: BLE001
+            row = {"variant": f"{name}, cuBLASLt", "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        finally:
+            torch.backends.cuda.preferred_blas_library("cublas")
+        rows.append(row)
+        print(json.dumps(row)[:400], flush=True)
+    limit_ms = weights / 4.17e12 * 1e3
+    (out / "decode-probe.json").write_text(json.dumps({"weights_bytes": weights, "rows": rows}, indent=1))
+    lines = [f"# Decode step at batch 1 (1B decoder, bf16, 512-slot cache): weights {weights / 1e9:.2f} GB, "
+             f"copy-bandwidth limit {limit_ms:.2f} ms", "",
+             "| variant | graph ms/token | of limit | kernels/step | kernel ms/step | build s |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for row in rows:
+        if "graph_ms" in row:
+            lines.append(f"| {row['variant']} | {row['graph_ms']:.3f} | {limit_ms / row['graph_ms']:.0%} | "
+                         f"{row['kernels_per_step']:.0f} | {row['kernel_ms_per_step']:.3f} | "
+                         f"{row.get('build_s', 0):.0f} |")
+        else:
+            lines.append(f"| {row['variant']} | {row.get('error') or row.get('skipped')} | | | | |")
+    for row in rows:
+        if row.get("top"):
+            lines += ["", f"## {row['variant']}: top kernels"]
+            lines += [f"- {k['ms']:.3f} ms ×{k['count']:.0f} {k['name']}" for k in row["top"]]
+    (out / "decode-probe.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""The report of a ``--task text-generation`` run: ``report.json`` (:func:`assemble_generation`, validated by
+``generation.schema.json`` beside this module) and ``report.md`` (:func:`render_generation`).
+
+The verdict, model, recipe and run sections are the forward report's own (:mod:`exporter.report.assemble`), with
+the same schema version; what is the task's (the cache, the prompts, the per-step verdicts, decode timings and
+bandwidth) comes from :mod:`exporter.generation.run`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..numerics.tolerance import RULE
+from .assemble import model_section, recipe_section, run_section, verdict_section
+
+TASK = "text-generation"
+SCHEMA_FILE = Path(__file__).with_name("generation.schema.json")  # shipped in the wheel beside this module
+
+
+def report_schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of a ``--task text-generation`` run's ``report.json``."""
+    return json.loads(SCHEMA_FILE.read_text(encoding="utf-8"))
+
+
+def assemble_generation(*, recipe, checkpoint, loaded, audit, rewritten: dict[str, Any],
+                        artifacts: list[dict[str, Any]], generation: dict[str, Any], eager_bench: dict[str, Any],
+                        k: float, allow_drift: bool, warnings: list[str], timings: dict[str, float], total_s: float,
+                        transformers: bool) -> dict[str, Any]:
+    """The generation report's dict, from the rewritten model's and each target's entries and the task's
+    ``generation`` section."""
+    rows = [(row["name"], row["status"], row["error"]) for row in [rewritten, *artifacts]]
+    return {
+        **verdict_section(rows, allow_drift, warnings, task=TASK),
+        "model": model_section(checkpoint, loaded),
+        "recipe": recipe_section(recipe),
+        "generation": generation,
+        "reference": {"device": recipe.runtime.device, "dtype": "float64", "model": "original (eager attention), "
+                      "no KV cache: the whole sequence re-read at every step"},
+        "tolerance": {"rule": RULE, "k": k, "atol": recipe.numerics.atol, "floor": recipe.numerics.floor,
+                      "per_step": "each step's logits, teacher-forced on the reference's tokens"},
+        "attention": audit.to_dict(),
+        "baseline": {"name": "eager generate", "bench": eager_bench or None,
+                     "note": "transformers generate(), greedy, its default cache and attention" if transformers
+                     else "a factory model has no generate(); the rewritten row is the eager reference for timing"},
+        "rewritten": rewritten,
+        "artifacts": artifacts,
+        **run_section(recipe, timings, total_s),
+    }
+
+
+def _ms(value: Any) -> str:
+    return f"{value:.3g}" if isinstance(value, (int, float)) else "—"
+
+
+def _verdict(numerics: dict[str, Any] | None) -> str:
+    if not numerics or numerics.get("passed") is None:
+        return "—"
+    mark = "✅ ok" if numerics["passed"] else "❌ failed"
+    worst = numerics.get("worst_ratio")
+    tokens = "tokens identical" if numerics.get("tokens_identical") else \
+        f"{len(numerics.get('token_differences') or [])} row(s) differ"
+    return f"{mark} (worst {worst:.2f} of its bar; {tokens})" if isinstance(worst, float) else f"{mark} ({tokens})"
+
+
+def _timing_cells(bench: dict[str, Any] | None, label: str) -> list[str]:
+    row = (bench or {}).get(label) or {}
+    graph = row.get("decode_graph") or {}
+    band = row.get("bandwidth") or {}
+    frac = band.get("fraction_of_copy")
+    return [_ms((row.get("prefill") or {}).get("median_ms")), _ms((row.get("decode") or {}).get("median_ms")),
+            _ms(graph.get("median_ms")) if graph.get("cuda_graph") else ("failed" if graph else "—"),
+            _ms(row.get("tokens_per_s")), f"{frac:.0%}" if isinstance(frac, float) else "—"]
+
+
+def render_generation(report: dict[str, Any]) -> str:
+    """``report.md`` of a ``--task text-generation`` run."""
+    gen = report["generation"]
+    model = report["model"]
+    lines = [f"# {model['name']}: text generation ({report['recipe']['name']})", ""]
+    status = "passed" if report["passed"] else f"FAILED (exit {report['exit_code']})"
+    lines += [f"**{status}** — {model['architecture']}, {model['parameters']:,} parameters, "
+              f"{report['recipe']['dtype']} on {report['recipe']['device']}; static KV cache of "
+              f"{gen['cache_length']} slots, batch 1 to {gen['batch']}.", ""]
+    for problem in report.get("problems") or []:
+        lines.append(f"- ❌ {problem}")
+    lines += ["## Numerics", "",
+              f"Reference: {report['reference']['model']}, float64, greedy {gen['new_tokens']} tokens from "
+              f"{gen['batch']} prompts of {gen['prompt_length']} tokens (rows {gen['padded_rows']} left-padded by "
+              f"{gen['pad_tokens']}). Each step's logits are judged teacher-forced by the rule "
+              f"`{report['tolerance']['rule']}` (k = {report['tolerance']['k']:g}).", "",
+              "| variant | status | verdict | free-running tokens |", "| --- | --- | --- | --- |"]
+    eager = gen["eager"]
+    lines.append(f"| eager ({report['recipe']['dtype']}, no cache) | — | "
+                 f"{'tokens identical' if eager['tokens_identical'] else 'tokens differ'} | — |")
+    rows = [report["rewritten"]] + report["artifacts"]
+    for row in rows:
+        numerics = row.get("numerics") or {}
+        free = numerics.get("free_running") or {}
+        free_text = ("identical" if free.get("identical") else "differ") if free else "—"
+        lines.append(f"| {row['name']} | {row.get('status', '—')} | {_verdict(numerics)} | {free_text} |")
+    for row in rows:
+        for diff in (row.get("numerics") or {}).get("token_differences") or []:
+            kind = "near-tie" if diff["near_tie"] else "defect"
+            lines.append(f"- {row['name']}: row {diff['row']} differs at step {diff['step']} ({kind}: reference margin "
+                         f"{diff['reference_margin']:.3g}, largest logit error {diff['max_logit_error']:.3g})")
+    skipped = [a for a in report["artifacts"] if a["status"] == "skipped"]
+    for entry in skipped:
+        lines.append(f"- {entry['name']}: skipped — {entry['error']}")
+    lines += ["", "## Timing", "",
+              "Decode per token; the CUDA-graph column replays the decode step from a graph; bandwidth: weights and "
+              "the whole static cache read once per token, as a fraction of the measured copy bandwidth.", "",
+              "| variant | batch | prefill ms | decode ms/token | graph ms/token | tokens/s | of copy bandwidth |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    baseline = report["baseline"].get("bench") or {}
+    for label in ("batch_1", "batch"):
+        size = "1" if label == "batch_1" else str(gen["batch"])
+        if baseline:
+            lines.append(f"| eager generate | {size} | " + " | ".join(_timing_cells(baseline, label)) + " |")
+        for row in rows:
+            if row.get("bench"):
+                lines.append(f"| {row['name']} | {size} | " + " | ".join(_timing_cells(row["bench"], label)) + " |")
+    for row in report["artifacts"]:
+        speedups = (row.get("bench") or {}).get("decode_speedup_vs_eager_generate") or {}
+        if speedups:
+            lines.append(f"- {row['name']}: decode " + ", ".join(
+                f"{v:.2f}× eager generate at {'batch 1' if k == 'batch_1' else 'batch ' + str(gen['batch'])}"
+                for k, v in speedups.items()))
+        graph = (((row.get("bench") or {}).get("batch_1") or {}).get("decode_graph") or {})
+        if graph and not graph.get("cuda_graph"):
+            lines.append(f"- {row['name']}: CUDA-graph capture failed: {graph.get('error')}")
+        programs = row.get("programs")
+        if programs:
+            attend = "Attention" if row["name"] == "onnx" else "sdpa"  # what SDPA is in an ONNX graph
+            lines.append(f"- {row['name']} programs: " + "; ".join(
+                f"{name}: {attend} ×{ops['sdpa']}, softmax ×{ops['softmax']}" for name, ops in programs.items())
+                + (f"; {len(row['fused_projections'])} groups of linears fused into one product each"
+                   if row.get("fused_projections") else ""))
+    attention = report["attention"]
+    lines += ["", "## Attention", "", f"{len(attention.get('sites') or [])} site(s) rewritten to SDPA."]
+    lines += [f"- {note}" for note in attention.get("notes") or []]
+    for warning in report.get("warnings") or []:
+        lines.append(f"- ⚠ {warning}")
+    timings = report.get("timings_s") or {}
+    lines += ["", "Stages: " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()), ""]
+    return "\n".join(lines)

@@ -1,0 +1,95 @@
+"""What a target is built from, in the convert process, and what building it returns.
+
+``BuildContext`` carries the rewritten model, the input plan, the recipe, the staging folder and the torch.export
+program every program-based target shares; ``Built`` is one variant a target's ``build`` made (with the
+``RunnerSpec`` another process loads it from). ``DecoderPrograms`` is the same for ``--task text-generation``: a
+decoder's prefill and decode programs, which each target with ``decoder`` files writes with ``build_decoder``.
+:func:`build` and :func:`build_decoder` call a target's module (the contract is :mod:`exporter.targets.spec`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .spec import ModelSource, RunnerSpec, Target
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..inputs import InputPlan
+    from ..modelio import IOModule
+    from ..recipe import Recipe
+
+
+@dataclass
+class BuildContext:
+    io: IOModule  # the rewritten model, on the recipe's device and dtype
+    plan: InputPlan
+    recipe: Recipe
+    staging: Path
+    source: ModelSource
+    example: list[torch.Tensor]  # sample 0 on the recipe's device and dtype
+    program: Any = None  # torch.export.ExportedProgram (training IR), set once exported
+    program_error: str | None = None
+    program_export_s: float = 0.0
+    decomposed: Any = None  # the program in core ATen with SDPA kept, made on first need (exported_program.core_aten)
+    decompose_s: float = 0.0
+    notes: list[str] = field(default_factory=list)  # about the exported program, for every target built from it
+
+    @property
+    def device(self) -> str:
+        return self.recipe.runtime.device
+
+    @property
+    def dtype(self) -> str:
+        return self.recipe.runtime.dtype
+
+
+@dataclass
+class Built:
+    target: str
+    name: str  # the variant's name in the report
+    runner: RunnerSpec | None
+    path: Path | None = None
+    files: list[Path] = field(default_factory=list)
+    build_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    graph: dict[str, Any] = field(default_factory=dict)
+    static_shapes: bool = False  # a benchmark variant that runs the shapes it was captured at: not on the grid
+    replays: str | None = None  # the variant whose artifact this one runs (its verdict over the grid holds here)
+
+
+@dataclass
+class DecoderPrograms:
+    """A decoder's prefill and decode programs (core ATen, SDPA kept), as ``generation.programs`` exported them."""
+
+    prefill: Any  # torch.export.ExportedProgram
+    decode: Any
+    export_s: float
+    notes: list[str] = field(default_factory=list)
+    fused: list[dict[str, Any]] = field(default_factory=list)  # projections computed as one product (groups)
+    layers: int = 0
+    past: tuple[Any, Any] | None = None  # the same two programs with the cache in and out (for ONNX)
+    past_error: str | None = None  # why those could not be exported
+
+
+def build(target: Target, ctx: BuildContext) -> list[Built]:
+    """The variants ``target`` builds into ``ctx.staging``."""
+    return target.implementation().build(ctx)
+
+
+def build_decoder(target: Target, programs: DecoderPrograms, recipe: Recipe, staging: Path) -> list[Path]:
+    """Write ``target``'s prefill and decode programs into ``staging``; the files written."""
+    if not target.decoder:
+        raise ValueError(f"target {target.name} builds no generation programs: {target.decoder_note}")
+    return target.implementation().build_decoder(programs, recipe, target.decoder_files(staging))
+
+
+def decoder_attention(target: Target, programs: DecoderPrograms, staging: Path) -> dict[str, dict[str, int]]:
+    """What each of the built programs runs its attention as: ``{"prefill": {"sdpa": n, "softmax": m}, ...}``."""
+    return target.implementation().decoder_attention(programs, target.decoder_files(staging))
+
+
+__all__ = ["BuildContext", "Built", "DecoderPrograms", "build", "build_decoder", "decoder_attention"]

@@ -1,0 +1,34 @@
+"""``DecoderStep`` over the static cache: a left-padded row generates what its unpadded prompt does, finite."""
+
+from __future__ import annotations
+
+import torch
+
+import exporter
+from exporter.generation.cache import DecoderStep, probe_layout
+from exporter.generation.driver import Prompt, Steps, generate
+from exporter.generation.reference import reference_generation
+from exporter.modelio import attention_implementation
+
+
+def test_left_padding_gives_the_unpadded_rows_logits(tiny_models):
+    """A left-padded row (its padded queries see nothing) generates what its unpadded prompt does, finite."""
+    loaded = exporter.checkpoint.load_model(tiny_models["llama"])
+    model = loaded.model.eval()
+    with attention_implementation(model, "sdpa"):
+        step = DecoderStep(model, True)
+        layout = probe_layout(model, True, "cpu")
+        steps = Steps(step, step, layout, 32, torch.float32, "cpu")
+        ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+        mask = torch.ones(2, 12, dtype=torch.long)
+        mask[1, :7] = 0  # seven pad tokens: five real ones
+        ids[1, :7] = 0
+        padded, logits = generate(steps, Prompt(ids, mask), 4)
+        alone, alone_logits = generate(steps, Prompt(ids[1:, 7:], mask[1:, 7:]), 4)
+    assert all(torch.isfinite(x).all() for x in logits)
+    assert torch.equal(padded[1:], alone)
+    for mine, theirs in zip(logits, alone_logits):
+        torch.testing.assert_close(mine[1:], theirs, rtol=1e-4, atol=1e-4)
+    with attention_implementation(model, "eager"):
+        ref_tokens, _ = reference_generation(model, Prompt(ids, mask), 4, "cpu", True)
+    assert torch.equal(ref_tokens, padded)

@@ -1,0 +1,69 @@
+"""``exporter generate`` from a built folder, and ``exporter verify`` re-running a short generation against the
+stored reference (``validate`` points a generation folder there)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import exporter
+from exporter.revalidate import validate_folder
+from exporter.verify import verify
+
+
+def test_generate_prints_the_reference_tokens(llama_generation, generate_cli):
+    report = llama_generation.report
+    ids = json.loads((llama_generation.out / "generation.json").read_text())
+    from safetensors.torch import load_file
+
+    stored = load_file(llama_generation.out / "reference" / "generation.safetensors")
+    rows = [stored["prompt_ids"][r][stored["prompt_mask"][r].bool()].tolist() for r in range(2)]
+    expected = report["generation"]["reference_tokens"]
+    for target in ("aoti", "exported_program", "onnx"):
+        done = generate_cli(str(llama_generation.out), "--target", target, "--json",
+                            *[f"--input-ids={','.join(map(str, row))}" for row in rows])
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout) == {"generated": expected}
+    short = generate_cli(str(llama_generation.out), "-t", "aoti", "--input-ids", ",".join(map(str, rows[0])),
+                         "--max-new-tokens", "3", "--json")
+    assert json.loads(short.stdout)["generated"] == [expected[0][:3]]
+    assert ids["new_tokens"] == len(expected[0])
+
+
+def test_generate_refuses_what_it_cannot_run(llama_generation, generate_cli, tmp_path):
+    out = str(llama_generation.out)
+    cases = [(["-t", "compile", "--input-ids", "1,2"], "has no decode program"),
+             (["-t", "exported_program", "--input-ids", "1,99999"], "outside the vocabulary"),
+             (["-t", "exported_program", "--input-ids", "1,x"], "comma-separated")]
+    for args, expected in cases:
+        done = generate_cli(out, *args)
+        assert done.returncode == 2 and expected in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    forward = generate_cli(str(tmp_path), "-t", "exported_program", "--input-ids", "1")
+    assert forward.returncode == 2 and "--task text-generation" in forward.stderr
+
+
+def test_verify_re_runs_a_short_generation(llama_generation):
+    result = verify(llama_generation.out)
+    assert result.passed, result.problems
+    numerics = [c for c in result.checks if c.name == "numerics"]
+    assert {c.subject for c in numerics} == {"exported_program", "aoti", "onnx"}
+    assert all(c.passed and "steps within their stored bars" in c.message for c in numerics)
+
+
+def test_validate_points_a_generation_folder_to_verify(llama_generation):
+    with pytest.raises(exporter.errors.UsageError, match="exporter verify"):
+        validate_folder(llama_generation.out)
+
+
+def test_verify_fails_a_changed_reference(llama_generation, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(llama_generation.out, copy)
+    setup = json.loads((copy / "generation.json").read_text())
+    setup["numerics"]["bars"][0]["allowed_rmse"] = 1e-12
+    (copy / "generation.json").write_text(json.dumps(setup))
+    result = verify(copy)
+    assert not result.passed and result.exit_code == 6

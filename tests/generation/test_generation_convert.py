@@ -1,0 +1,90 @@
+"""--task text-generation: prefill and decode programs over a static KV cache, judged step by step against
+the float64 reference for the decoder families people ship; what cannot be done is refused before writing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import exporter
+
+
+def test_llama_prefill_and_decode_match_the_float64_reference(llama_generation):
+    report = llama_generation.report
+    assert llama_generation.exit_code == 0 and report["passed"], report["problems"]
+    assert report["task"] == "text-generation"
+    gen = report["generation"]
+    assert gen["padded_rows"] == [1] and gen["eager"]["tokens_identical"]  # eager float32 picks the same tokens
+    built = {a["name"]: a for a in report["artifacts"]}
+    for name in ("exported_program", "aoti", "onnx"):
+        entry = built[name]
+        numerics = entry["numerics"]
+        assert entry["status"] == "ok" and numerics["passed"]
+        assert len(numerics["steps"]) == gen["new_tokens"] and all(s["passed"] for s in numerics["steps"])
+        assert numerics["tokens_identical"] and numerics["free_running"]["identical"]
+        assert numerics["nonfinite_logits"] == 0  # the left-padded row stays finite (onnxruntime's too)
+        assert entry["programs"]["prefill"] == {"sdpa": 2, "softmax": 0}
+        assert entry["programs"]["decode"] == {"sdpa": 2, "softmax": 0}
+        assert len(entry["fused_projections"]) == 4  # q/k/v and gate/up of both layers (the default)
+        for label in ("batch_1", "batch"):
+            timing = entry["bench"][label]
+            assert timing["decode"]["median_ms"] > 0 and timing["prefill"]["median_ms"] > 0
+    assert len(report["attention"]["sites"]) == 2
+    files = {f["path"] for a in report["artifacts"] for f in a["files"]}
+    assert {"prefill.pt2", "decode.pt2", "prefill.aoti.pt2", "decode.aoti.pt2", "aoti_loader.py",
+            "generation.aoti.weights.safetensors", "prefill.onnx", "decode.onnx", "generation.onnx.data"} <= files
+    decode = torch.export.load(str(llama_generation.out / "decode.pt2"))  # one weight per fused group, no other
+    weights = [s.target for s in decode.graph_signature.input_specs if s.kind.name == "PARAMETER"]
+    assert not any(name.endswith(("k_proj.weight", "v_proj.weight", "up_proj.weight")) for name in weights)
+    assert sum(name.endswith("fused.weight") for name in weights) == 4
+    assert "Numerics" in (llama_generation.out / "report.md").read_text()
+
+
+def test_gpt2_generation_passes_and_generates(tiny_models, generate_cli, tmp_path):
+    result = exporter.convert(tiny_models["gpt2"], "cpu-fp32", tmp_path / "gpt2", task="text-generation",
+                              targets=("exported_program", "onnx"))
+    assert result.exit_code == 0, result.problems
+    for entry in result.report["artifacts"]:  # GPT-2: tied lm_head, learned positions, Conv1D projections
+        assert entry["numerics"]["free_running"]["identical"] and entry["programs"]["decode"]["sdpa"] == 2
+        done = generate_cli(str(result.out), "-t", entry["name"], "--input-ids", "5,6,7,8", "--max-new-tokens", "4")
+        assert done.returncode == 0 and len(done.stdout.strip().split(",")) == 4, done.stderr
+
+
+FAMILIES = {
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", {"num_key_value_heads": 2}),
+    "mistral": ("MistralForCausalLM", "MistralConfig", {"num_key_value_heads": 2}),
+    "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", {}),
+}
+
+
+def save_family(name: str, folder, **overrides):
+    transformers = pytest.importorskip("transformers")
+    model_cls, config_cls, extra = FAMILIES[name]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                               intermediate_size=128, vocab_size=1000, **extra, **overrides)
+    getattr(transformers, model_cls)(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_decoder_families_generate_the_reference_tokens(family, tmp_path):
+    path = save_family(family, tmp_path / family)
+    result = exporter.convert(path, "cpu-fp32", tmp_path / "out", task="text-generation",
+                              targets=("exported_program", "onnx"))
+    assert result.exit_code == 0, result.problems
+    for entry in result.report["artifacts"]:
+        numerics = entry["numerics"]
+        assert numerics["passed"] and numerics["free_running"]["identical"], entry["name"]
+
+
+def test_sliding_window_narrower_than_the_cache_is_refused(tmp_path):
+    path = save_family("mistral", tmp_path / "mistral", sliding_window=8)
+    with pytest.raises(exporter.errors.ArchitectureError, match="sliding_window"):
+        exporter.convert(path, "cpu-fp32", tmp_path / "out", task="text-generation", targets=("exported_program",))
+    assert not (tmp_path / "out").exists()
+
+
+def test_recipe_refuses_a_cache_too_small():
+    with pytest.raises(exporter.errors.RecipeError, match="max_cache_len"):
+        exporter.api.resolve_recipe("cpu-fp32", settings=("generation.max_cache_len=10",))
