@@ -8,10 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gpu_suite  # beside this file (pytest puts a test's folder on the path)
 import pytest
 import torch
-
-import gpu_suite  # beside this file (pytest puts a test's folder on the path)
 
 ROOT = Path(__file__).resolve().parents[1]
 

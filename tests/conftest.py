@@ -22,8 +22,8 @@ def every_report_validates(tmp_path_factory):
     """After the session: every report.json any test wrote validates against the shipped JSON Schema."""
     yield
     jsonschema = pytest.importorskip("jsonschema")
-    from exporter.report.generation import report_schema as generation_schema
     from exporter.report import report_schema
+    from exporter.report.generation import report_schema as generation_schema
 
     validator = jsonschema.Draft202012Validator(report_schema(), format_checker=jsonschema.FormatChecker())
     generation = jsonschema.Draft202012Validator(generation_schema(), format_checker=jsonschema.FormatChecker())

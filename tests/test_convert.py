@@ -264,7 +264,8 @@ def test_attention_behind_views_is_rewritten_end_to_end(tmp_path, monkeypatch):
 
     subprocess.run([sys.executable, "-m", "exporter.testing.handwritten_gpt", str(tmp_path / "gpt"), "--size", "tiny",
                     "--layout", "flattened"], check=True, capture_output=True)
-    result = exporter.convert(tmp_path / "gpt", "cpu-fp32", tmp_path / "out", model="exporter.testing.handwritten_gpt:build",
+    result = exporter.convert(tmp_path / "gpt", "cpu-fp32", tmp_path / "out",
+                              model="exporter.testing.handwritten_gpt:build",
                               targets=("exported_program", "onnx"), dims=("batch=2:1:4", "sequence=32:2:128"),
                               tensors=("input_ids:int64:batch,sequence:0:256", "attention_mask:int64:batch,sequence"))
     report = result.report

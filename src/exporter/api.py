@@ -14,6 +14,7 @@ from typing import Any
 from . import interrupts
 from . import report as report_mod
 from .checkpoint import load_model
+from .checkpoint.files import Checkpoint
 from .environment import check_machine
 from .errors import CheckpointError, ExporterError
 from .inputs import plan_inputs
@@ -96,19 +97,24 @@ def convert(checkpoint: str | Path, recipe: str | Path | Recipe = "cpu-fp32", ou
     if not checkpoint.exists():
         raise CheckpointError(f"checkpoint {checkpoint} does not exist", "check the path")
     final = Path(out) if out is not None else default_out(checkpoint, recipe_obj)
-    with interrupts.watch(), quiet_libraries(), OutputFolder(final, overwrite=overwrite) as folder:
+    with interrupts.watch(), quiet_libraries(), OutputFolder(final, overwrite=overwrite,
+                                                             keep_clear=checkpoint) as folder:
         run = ConvertRun(checkpoint, recipe_obj, folder.staged, inputs, allow_drift, allow_pickle, progress)
         try:
             with TreeMemory(stage=lambda: progress.current) as tree:
+                opened: Checkpoint | None
                 if recipe_obj.model.task == "text-generation":
                     from .generation.run import convert_generation  # noqa: PLC0415
 
-                    data, files = convert_generation(checkpoint, recipe_obj, folder.staged, allow_drift, allow_pickle,
-                                                     progress)
-                    manifest_inputs = {"checkpoint_files": files, "recipe": run.manifest_inputs()["recipe"]}
+                    data, opened = convert_generation(checkpoint, recipe_obj, folder.staged, allow_drift,
+                                                      allow_pickle, progress)
+                    manifest_inputs = {"checkpoint_files": list(opened.files),
+                                       "recipe": run.manifest_inputs()["recipe"]}
                 else:
                     data = run.execute()
                     manifest_inputs = run.manifest_inputs()
+                    opened = run.loaded.checkpoint if run.loaded else None
+            unchanged(opened)
             data["memory"] = memory_section(recipe_obj, data["model"]["checkpoint_bytes"], tree)
             data["run"] = {"command": public_command(command) if command else None, "settings": list(settings)}
             data["model"]["checkpoint"] = path_from(folder.final, checkpoint)  # from where the report will be
@@ -124,6 +130,17 @@ def convert(checkpoint: str | Path, recipe: str | Path | Recipe = "cpu-fp32", ou
             run.close()
         published = folder.publish()
     return ConvertResult(published, data, data["exit_code"], data.get("problems", []))
+
+
+def unchanged(opened) -> None:
+    """Refuse to publish artifacts made from a checkpoint that changed while it was read (a sync or download
+    writing over it): the reference and the artifacts may then come from different weights."""
+    changed = opened.changed() if opened is not None else []
+    if changed:
+        raise CheckpointError(f"the checkpoint changed while it was being read ({', '.join(p.name for p in changed)} "
+                              "was rewritten during the convert); nothing was published",
+                              "convert again once the checkpoint is complete (copy it first if something syncs "
+                              "or downloads into it)")
 
 
 def inspect(checkpoint: str | Path, recipe: str | Path | Recipe = "cpu-fp32", *, model: str | None = None,

@@ -15,7 +15,10 @@ import click
 from .errors import EXIT_INTERNAL, EXIT_USAGE, ExporterError, exit_codes_help
 from .progress import Progress
 from .recipe import builtin_names, builtin_path, load_recipe
+from .supervisor import ENV as SUPERVISOR_ENV
+from .supervisor import SUPERVISED, supervise
 from .targets import NAMES as TARGET_NAMES
+from .targets import get as get_target
 
 CONVERT_EXAMPLES = """
 \b
@@ -260,15 +263,16 @@ def generate(out_dir, target, input_ids, max_new_tokens, as_json):
     from .generation.generate import generate_tokens
     from .targets.toolchain import aoti_preload
 
-    preload = aoti_preload() if target == "aoti" else None
+    preload = aoti_preload() if target in TARGET_NAMES and get_target(target).preload else None
     if preload and preload not in os.environ.get("LD_PRELOAD", ""):
         # an AOTInductor package loads with the compiler's libstdc++ first (targets/toolchain.py): run in a child
-        from .runners import child_env
+        from .runners import child_env, scratch_env
 
         argv = ["generate", out_dir, "--target", target, *[f"--input-ids={t}" for t in input_ids]]
         argv += [f"--max-new-tokens={max_new_tokens}"] if max_new_tokens is not None else []
         argv += ["--json"] if as_json else []
-        done = subprocess.run([sys.executable, "-m", "exporter", *argv], env=child_env(preload), check=False)
+        with scratch_env(child_env(preload)) as env:
+            done = subprocess.run([sys.executable, "-m", "exporter", *argv], env=env, check=False)
         sys.exit(done.returncode)
     generated = generate_tokens(out_dir, target, _token_rows(input_ids), max_new_tokens)
     if as_json:
@@ -314,7 +318,15 @@ def main(argv: list[str] | None = None) -> None:
     Run as the process's own command (``argv`` None: the ``exporter`` script, ``python -m exporter``), the
     process ends as soon as the command has, its exit handlers run and its output flushed: tearing down
     the interpreter's torch, transformers and compiled graphs afterwards cost seconds and did nothing the
-    operating system does not do. Called with ``argv`` (tests, other programs), it raises SystemExit."""
+    operating system does not do. Called with ``argv`` (tests, other programs), it raises SystemExit.
+
+    As the process's own command, ``exporter convert`` runs under :mod:`exporter.supervisor`: the convert in a
+    child, this process waiting to say what happened should the child die outright (``EXPORTER_SUPERVISE=0``
+    runs it in this process instead, e.g. under a debugger)."""
+    if argv is None and sys.argv[1:2] and sys.argv[1] in SUPERVISED and SUPERVISOR_ENV not in os.environ \
+            and os.environ.get("EXPORTER_SUPERVISE", "1") != "0":
+        sys.stdout.flush()
+        os._exit(supervise(sys.argv[1:]))
     try:
         _run(argv)
     except SystemExit as exc:

@@ -170,6 +170,16 @@ def padding_mask(batch: int, seq: int, dtype: torch.dtype = torch.int64) -> torc
     return mask
 
 
+def position_offset(model: nn.Module, positions: int) -> int:
+    """How many position embeddings come before the first token's: ``padding_idx + 1`` where the position
+    table (``max_position_embeddings`` rows) has a padding index, as RoBERTa's does; else 0."""
+    for name, module in model.named_modules():
+        if (isinstance(module, nn.Embedding) and "position" in name.rsplit(".", 1)[-1]
+                and module.num_embeddings == positions and module.padding_idx is not None):
+            return int(module.padding_idx) + 1
+    return 0
+
+
 def within_positions(model: nn.Module, specs: tuple[TensorSpec, ...], dims: tuple[Dim, ...]) -> tuple[
         tuple[Dim, ...], list[str]]:
     """The dims, with the sequence dim of generated token ids narrowed to the model's position limit.
@@ -177,21 +187,25 @@ def within_positions(model: nn.Module, specs: tuple[TensorSpec, ...], dims: tupl
     A recipe serves many models; a transformers config says how many positions its model has
     (``max_position_embeddings``, GPT-2's ``n_positions``). Past it a position-embedding lookup reads out of
     bounds: an error on the CPU, a device-side assert on a GPU that leaves the whole process unable to use
-    it. So the dim is narrowed to the model's limit, and the report says so.
+    it. So the dim is narrowed to the model's limit, and the report says so. A model whose positions start
+    after its padding index (RoBERTa and its kind: ``padding_idx + 1`` onwards) takes that many fewer tokens.
     """
     config = getattr(model, "config", None)
     limit = getattr(config, "max_position_embeddings", None) if config is not None else None
     ids = next((s for s in specs if s.name == "input_ids"), None)
     if not isinstance(limit, int) or limit < 1 or ids is None:
         return dims, []
+    offset = position_offset(model, limit)
+    limit -= offset
+    source = "max_position_embeddings" + (f" less the {offset} positions before the first token's (positions "
+                                          "start after the padding index)" if offset else "")
     used = {e for e in ids.shape if isinstance(e, str)}
     narrowed, notes = [], []
     for dim in dims:
         if dim.name in used and len(ids.shape) > 1 and ids.shape[-1] == dim.name and dim.max > limit:
             new = Dim(dim.name, min(dim.size, limit), min(dim.min, limit), limit)
             notes.append(f"inputs.dims.{dim.name}: max {dim.max} narrowed to {limit}, the model's "
-                         f"max_position_embeddings" + (f" (size {dim.size} -> {new.size})" if new.size != dim.size
-                                                         else ""))
+                         f"{source}" + (f" (size {dim.size} -> {new.size})" if new.size != dim.size else ""))
             dim = new
         narrowed.append(dim)
     return tuple(narrowed), notes

@@ -41,9 +41,12 @@ def check() -> None:
 
 
 def _on_signal(signum, frame) -> None:
+    """The first signal raises; a second one (Ctrl-C pressed again, or sent by a supervising parent as well as by
+    the terminal) is already recorded and must not break off the cleanup the first one started."""
     global _received
-    if _received is None:
-        _received = signum
+    if _received is not None:
+        return
+    _received = signum
     raise Stop(signum)
 
 

@@ -25,6 +25,7 @@ from typing import Any
 from . import interrupts
 from .dtypes import name_of, safetensors_code
 from .errors import OutputError
+from .supervisor import report
 
 
 def sha256_file(path: Path, chunk: int = 8 * 1024 * 1024) -> str:
@@ -147,15 +148,39 @@ def os_problem(exc: OSError, path: Path) -> OutputError:
     return _os_problem(exc, path)
 
 
-class OutputFolder:
-    """Stage files for ``final``; ``publish()`` moves them into place; ``discard()`` removes them."""
+def holds_run(folder: Path) -> bool:
+    """Whether ``folder`` is an output folder an exporter run published: its ``manifest.json`` is one."""
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and "schema_version" in manifest and isinstance(manifest.get("files"), list)
 
-    def __init__(self, final: Path, overwrite: bool = False):
+
+def checkpoint_guard(checkpoint: Path) -> tuple[Path, bool]:
+    """What an output folder must keep clear of: a checkpoint folder (the folder itself, ``True``: nothing may go
+    inside it either), or a checkpoint file (the file, ``False``: a folder beside it is fine, one holding it is not)."""
+    path = Path(checkpoint).resolve()
+    return path, path.is_dir()
+
+
+class OutputFolder:
+    """Stage files for ``final``; ``publish()`` moves them into place; ``discard()`` removes them.
+
+    ``--overwrite`` only ever replaces a folder an earlier run published (:func:`holds_run`); ``keep_clear``
+    (the checkpoint) refuses an output folder that is it, holds it or, for a checkpoint folder, lies inside it.
+    Staging folders that dead runs left beside ``final`` are removed once this run holds the lock (a live run
+    holds it while it writes).
+    """
+
+    def __init__(self, final: Path, overwrite: bool = False, keep_clear: Path | None = None):
         self.final = Path(final).resolve()
         self.overwrite = overwrite
+        self.keep_clear = checkpoint_guard(keep_clear) if keep_clear is not None else None
         self.lock_path = self.final.parent / f".{self.final.name}.lock"
         self.staging: Path | None = None
         self._lock_fd: int | None = None
+        self.removed_stale: list[str] = []  # staging folders of dead runs this run removed
 
     def __enter__(self) -> "OutputFolder":
         self.open()
@@ -166,12 +191,32 @@ class OutputFolder:
             self.discard()
         self.release()
 
+    def _check_clear(self) -> None:
+        if self.keep_clear is None:
+            return
+        guarded, is_folder = self.keep_clear
+        final = self.final
+        if final == guarded or guarded.is_relative_to(final):
+            raise OutputError(f"output folder {final} {'is' if final == guarded else 'holds'} the checkpoint "
+                              f"{guarded}: replacing it would delete the checkpoint",
+                              "choose an --out outside the checkpoint's folder")
+        if is_folder and final.is_relative_to(guarded):
+            raise OutputError(f"output folder {final} lies inside the checkpoint folder {guarded}: the artifacts "
+                              "would mix with the checkpoint's files",
+                              "choose an --out outside the checkpoint's folder")
+
     def open(self) -> Path:
+        self._check_clear()
         if self.final.exists() and not self.final.is_dir():
             raise OutputError(f"output path {self.final} exists and is not a folder", "choose another --out")
-        if self.final.is_dir() and any(self.final.iterdir()) and not self.overwrite:
-            raise OutputError(f"output folder {self.final} already holds a run",
-                              "pass --overwrite to replace it, or choose another --out")
+        if self.final.is_dir() and any(self.final.iterdir()):
+            if not holds_run(self.final):
+                raise OutputError(f"output folder {self.final} holds files that are not an exporter run (no "
+                                  "manifest.json)", "choose another --out: --overwrite only replaces a folder "
+                                  "an earlier run published")
+            if not self.overwrite:
+                raise OutputError(f"output folder {self.final} already holds a run",
+                                  "pass --overwrite to replace it, or choose another --out")
         try:
             self.final.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -192,13 +237,24 @@ class OutputFolder:
         except OSError as exc:
             os.close(fd)
             raise _os_problem(exc, self.lock_path) from None
+        self._remove_stale()
         try:
             self.staging = Path(tempfile.mkdtemp(prefix=f".{self.final.name}.partial-", dir=self.final.parent))
+            report("staging", self.staging)  # a supervising parent removes it if this process dies
             os.chmod(self.staging, 0o777 & ~_umask())
         except OSError as exc:
             self.release()
             raise _os_problem(exc, self.final.parent) from None
         return self.staging
+
+    def _remove_stale(self) -> None:
+        """Staging and old folders of earlier runs into ``final`` that ended without cleaning up (killed, or a
+        crash): whoever made them held this lock while they lived, so under it they are all dead."""
+        for prefix in (f".{self.final.name}.partial-", f".{self.final.name}.old-"):
+            for leftover in self.final.parent.glob(prefix + "*"):
+                if leftover.is_dir() and not leftover.is_symlink():
+                    shutil.rmtree(leftover, ignore_errors=True)
+                    self.removed_stale.append(leftover.name)
 
     @property
     def staged(self) -> Path:

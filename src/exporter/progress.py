@@ -8,12 +8,14 @@ import time
 from rich.console import Console
 
 from . import interrupts
+from .supervisor import report
 
 
 class Progress:
     def __init__(self, enabled: bool = True, console: Console | None = None):
         self.enabled = enabled
-        self.console = console or Console(stderr=True, highlight=False)
+        # soft wrap: a long line stays one line in a CI log (rich would fold it at 80 columns off a terminal)
+        self.console = console or Console(stderr=True, highlight=False, soft_wrap=True)
         self.timings: dict[str, float] = {}
         self.current: str | None = None  # the stage under way (read by the memory sampler's thread)
 
@@ -36,6 +38,7 @@ class Progress:
         if self.enabled and not self.console.is_terminal:
             self.console.print(f"{label} ...")
         outer, self.current = self.current, name
+        report("stage", name)
         try:
             with status:
                 yield

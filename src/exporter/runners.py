@@ -14,12 +14,16 @@ crash isolation.
 from __future__ import annotations
 
 import contextlib
+import getpass
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -80,11 +84,23 @@ class LocalRunner:
         pass
 
 
+_STACK = ("frame #", "Exception raised from", "File \"", "Traceback", "^", "~")
+_FAILURE = re.compile(r"error|exception|assert|abort|terminate|out of bounds|fault|killed", re.IGNORECASE)
+
+
 def _log_tail(log: Path | None, limit: int = 300) -> str:
-    """The last meaningful line the child wrote, for the one-line reason."""
+    """The line of the child's output that says why it failed, for the one-line reason: a C++ exception's
+    ``what():``, else the last line that reads as an error, else the last line (stack frames skipped)."""
     if not log or not Path(log).is_file():
         return ""
-    lines = [ln.strip() for ln in Path(log).read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
+    text = Path(log).read_text(encoding="utf-8", errors="replace")[-65536:]
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith(_STACK)]
+    for line in reversed(lines):
+        if line.startswith("what():"):
+            return shorten(line[len("what():"):].strip(), limit)
+    for line in reversed(lines):
+        if _FAILURE.search(line):
+            return shorten(line, limit)
     return shorten(lines[-1], limit) if lines else ""
 
 
@@ -114,9 +130,69 @@ def child_env(preload: str | None = None) -> dict[str, str]:
     return env
 
 
+SCRATCH_PREFIX = "exporter-child-"  # + the parent's pid: each child's own temporary folder
+_scratch: dict[int, str] = {}  # child pid -> its temporary folder, removed once the child has ended
+_swept = False
+
+
+def inductor_cache_dir() -> str:
+    """Where Inductor keeps its compile cache when nothing says otherwise (``default_cache_dir`` in torch, which
+    follows ``TMPDIR``): a child is given its own ``TMPDIR``, but must share this cache with every other run."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+
+
+def with_scratch(env: dict[str, str]) -> tuple[dict[str, str], str]:
+    """``env`` with ``TMPDIR`` set to a new folder of the child's own, and that folder. An AOTInductor package
+    load extracts the package into the temporary folder and only its destructor removes it, which a child that
+    ends with ``os._exit`` (or is killed) never runs: removing the child's folder after it ended leaves nothing."""
+    sweep_scratch()
+    folder = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")
+    env = dict(env)
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR") or inductor_cache_dir())
+    env["TMPDIR"] = folder
+    return env, folder
+
+
+@contextlib.contextmanager
+def scratch_env(env: dict[str, str]) -> Iterator[dict[str, str]]:
+    """:func:`with_scratch` for a child run to its end in the block (``subprocess.run``)."""
+    env, folder = with_scratch(env)
+    try:
+        yield env
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def sweep_scratch() -> None:
+    """Remove the temporary folders of children whose parent is gone (killed before it could remove them)."""
+    global _swept
+    if _swept:
+        return
+    _swept = True
+    for folder in Path(tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*-*"):
+        owner = folder.name[len(SCRATCH_PREFIX):].split("-", 1)[0]
+        if folder.is_dir() and owner.isdigit() and not _alive(int(owner)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def start_child(env: dict[str, str], log: Path | None) -> tuple[subprocess.Popen, Channel]:
-    """``python -m exporter.child FD`` in its own session, its output appended to ``log``; it imports torch and
-    waits for ``sys.path`` and a spec on the returned channel."""
+    """``python -m exporter.child FD`` in its own session (and temporary folder: :func:`with_scratch`), its output
+    appended to ``log``; it imports torch and waits for ``sys.path`` and a spec on the returned channel."""
+    env, folder = with_scratch(env)
     parent_sock, child_sock = socket.socketpair()
     out: Any = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - closed below, once the child has it
     try:
@@ -124,20 +200,27 @@ def start_child(env: dict[str, str], log: Path | None) -> tuple[subprocess.Popen
             [sys.executable, "-m", "exporter.child", str(child_sock.fileno())],
             pass_fds=(child_sock.fileno(),), env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
             start_new_session=True)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
     finally:
         child_sock.close()
         if log:
             out.close()
+    _scratch[process.pid] = folder
     return process, Channel(parent_sock.detach())
 
 
 def kill_child(process: subprocess.Popen) -> None:
-    """Stop a child and whatever it started (compile workers share its session)."""
+    """Stop a child and whatever it started (compile workers share its session); remove its temporary folder."""
     if process.poll() is None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGKILL)
         process.kill()
         process.wait(5)
+    folder = _scratch.pop(process.pid, None)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 class Spares:
@@ -343,9 +426,9 @@ def run_session(folder: Path, target: str, log: Path, time_it: bool, steps: int 
     answer = (scratch or folder) / f".session-{target}.result.json"
     request.write_text(json.dumps({"folder": str(folder), "target": target, "time": time_it, "steps": steps}))
     try:
-        with open(log, "ab") as out:
+        with open(log, "ab") as out, scratch_env(child_env(preload)) as env:
             process = subprocess.run([sys.executable, "-m", "exporter.generation.session", str(request), str(answer)],
-                                     env=child_env(preload), stdout=out, stderr=out, timeout=timeout_s, check=False)
+                                     env=env, stdout=out, stderr=out, timeout=timeout_s, check=False)
         if not answer.is_file():
             ended = _describe_exit(process.returncode)
             return {"target": target, "error": f"the session process {ended} without a result (see {log.name})"}

@@ -64,8 +64,7 @@ def test_judge_keeps_worst_sample_and_all_failures():
 
 
 def _judged(name: str, passed: bool, replays: str | None = None):
-    from exporter.results import CandidateNumerics
-    from exporter.results import NUMERICS_FAILED, VariantResult
+    from exporter.results import NUMERICS_FAILED, CandidateNumerics, VariantResult
 
     result = VariantResult("aoti", name, replays=replays)
     result.numerics = CandidateNumerics(name, passed, 5.0, 0.0, "eager (cuda, bfloat16)",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,6 +24,7 @@ from safetensors import safe_open
 
 from ..dtypes import BY_CODE, from_safetensors
 from ..errors import CheckpointError
+from ..supervisor import report, snapshot
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit
@@ -49,6 +50,18 @@ class Checkpoint:
     entries: dict[str, TensorInfo]
     metadata: dict[str, str]
     _pickled: dict[str, torch.Tensor] | None = None
+    seen: dict[str, tuple[int, int] | None] = field(default_factory=dict, repr=False)  # size, mtime when opened
+
+    def __post_init__(self) -> None:
+        for file in self.files:
+            where = str(Path(file).resolve())
+            seen = self.seen[where] = snapshot(Path(where))
+            if seen is not None:
+                report("checkpoint", where, *seen)  # the supervising parent checks them after a crash
+
+    def changed(self) -> list[Path]:
+        """The files that are no longer what was opened (rewritten, truncated or gone since)."""
+        return [Path(p) for p, seen in self.seen.items() if snapshot(Path(p)) != seen]
 
     @property
     def nbytes(self) -> int:

@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 
 from .. import targets
 from ..checkpoint import LoadedModel, load_model
+from ..checkpoint.files import Checkpoint
 from ..dtypes import torch_dtype
 from ..errors import ArchitectureError, describe
 from ..modelio import attention_implementation
@@ -225,7 +226,7 @@ def generation_section(recipe: Recipe, ref: Reference, layout: CacheLayout, setu
 
 
 def convert_generation(checkpoint: Path, recipe: Recipe, staging: Path, allow_drift: bool, allow_pickle: bool,
-                       progress: Progress) -> tuple[dict[str, Any], list[Path]]:
+                       progress: Progress) -> tuple[dict[str, Any], Checkpoint]:
     t_start = time.perf_counter()
     gen, device, dtype = recipe.generation, recipe.runtime.device, recipe.runtime.dtype
     warnings: list[str] = []
@@ -301,4 +302,4 @@ def convert_generation(checkpoint: Path, recipe: Recipe, staging: Path, allow_dr
         generation=generation_section(recipe, ref, layout, setup, eager_verdict), eager_bench=eager_bench, k=ref.k,
         allow_drift=allow_drift, warnings=warnings, timings=progress.timings,
         total_s=time.perf_counter() - t_start, transformers=transformers)
-    return finite(report), list(loaded.checkpoint.files)
+    return finite(report), loaded.checkpoint

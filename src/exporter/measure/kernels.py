@@ -46,6 +46,7 @@ from torch.profiler import ProfilerActivity
 from torch.profiler import profile as torch_profile
 
 from ..errors import describe
+from ..results import FAILED
 from ..targets.spec import failure_reason
 from .backend_choice import why_not
 
@@ -251,7 +252,8 @@ def audit_kernels(live: dict[str, Any], sample, results, preferred: str) -> tupl
     verdict on each SDPA call of the rewritten model (``backend_choice``). A note goes on each variant that ran
     something other than the preferred backend, or the math backend.
 
-    Returns (eager's kernels, the verdict). The audit explains; it never fails a variant.
+    Returns (eager's kernels, the verdict). The audit explains; it fails a variant only when its process died
+    while profiled (a crash is a finding, at every stage).
     """
     by_name = {r.name: r for r in results}
     eager = None
@@ -260,15 +262,20 @@ def audit_kernels(live: dict[str, Any], sample, results, preferred: str) -> tupl
     except Exception as exc:
         choice = {"error": describe(exc), "calls": []}
     for name, runner in live.items():
+        result = by_name.get(name)
         try:
             found = runner.call("kernels", sample)
         except Exception as exc:
-            found = {"source": "error", "note": failure_reason(exc)}
+            found = None
+            process = getattr(runner, "process", None)
+            if result is not None and process is not None and process.poll() is not None:
+                result.fail(FAILED, f"attention kernels: {failure_reason(exc)}")
+            elif result is not None:
+                result.notes.append(f"attention kernels not recorded: {failure_reason(exc)}")
         if name == "eager":
             eager = found
             continue
-        result = by_name.get(name)
-        if result is None:
+        if result is None or found is None:
             continue
         result.info["kernels"] = found
         ran = set(found.get("backends") or {})

@@ -190,8 +190,13 @@ class Validation:
             sample = point_sample(plan, point)
             ordered = [sample[n] for n in self.signature.inputs]
             # candidates that run on the CPU (in their own process) start now and compute while the reference does
-            early = {result.name: runner.begin_stream(ordered) for result, runner in candidates
-                     if result.name not in dead and self.where(result)[0] == "cpu" and hasattr(runner, "process")}
+            early: dict[str, Any] = {}
+            for result, runner in candidates:
+                if result.name not in dead and self.where(result)[0] == "cpu" and hasattr(runner, "process"):
+                    try:
+                        early[result.name] = runner.begin_stream(ordered)
+                    except RunnerFailed as exc:  # it died at an earlier point: this one fails with that reason
+                        dead[result.name] = exc.reason
             base: dict[tuple[str, str], list[float]] = {}
             try:
                 reference = run_reference(self.original, [sample], count_flops=False,
@@ -201,10 +206,15 @@ class Validation:
                     if key not in base:
                         base[key] = self.eager_rmse([ordered], reference, *key)[0]
             except Exception as exc:  # the recipe declares sizes the model itself cannot take
-                for stream in early.values():  # the children are answering already: read to the end
-                    with contextlib.suppress(RunnerFailed):
+                for name, stream in early.items():  # the children are answering already: read to the end
+                    try:
                         for _ in stream:
                             pass
+                    except RunnerFailed as crash:  # one died there: the points after it cannot be run
+                        runner = dict((r.name, c) for r, c in candidates)[name]
+                        if runner.process.poll() is not None or "child process" in crash.reason:
+                            dead[name] = (f"{crash.reason}, at grid point {point.name} {point.sizes} (where the "
+                                          "original model fails too)")
                 if isinstance(exc, torch.cuda.OutOfMemoryError):
                     torch.cuda.empty_cache()
                     why = "its float64 reference does not fit in GPU memory"
@@ -234,7 +244,7 @@ class Validation:
                     record["error"] = exc.reason
                     self._detail(result.name, exc.detail)
                     process = getattr(runner, "process", None)
-                    if process is not None and process.poll() is not None:
+                    if process is not None and (process.poll() is not None or "child process" in exc.reason):
                         dead[result.name] = f"the process stopped at grid point {point.name}"
                     continue
                 verdict = verdict_of_checks(result.name, self.signature.outputs, checks,
