@@ -43,6 +43,31 @@ def converted(tiny_models, minilm_path, tmp_path_factory):
     return get
 
 
+def strings(value):
+    """Every string inside a JSON value, keys included."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield key
+            yield from strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from strings(item)
+
+
+def test_a_published_run_names_no_folder_of_this_machine(converted):
+    """Every string of report.json, manifest.json and recipe.json, and report.md, of a run that built every
+    target (AOTInductor's notes and the process tree's commands included): no absolute path anywhere."""
+    out = converted("minilm").out
+    records = [json.loads((out / name).read_text()) for name in ("report.json", "manifest.json", "recipe.json")]
+    texts = [(out / "report.md").read_text(), *strings(records)]
+    absolute = sorted({word for text in texts for word in text.replace("=", " ").replace("(", " ").split()
+                       if word.startswith("/") and len(word) > 1})
+    assert absolute == [], absolute
+    assert records[0]["memory"]["tree"]["largest_processes"]  # the field the scan must cover is there
+
+
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 

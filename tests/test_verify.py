@@ -105,6 +105,9 @@ def test_flipped_bytes_in_the_onnx_model_fail_the_gate(folder, tmp_path):
     assert states[("exporter.verify.onnx", "sha256")] == "failed"
     assert states[("exporter.verify.onnx", "loads")] == "skipped"  # a changed file is never run
     assert states[("exporter.verify.exported_program", "numerics")] == "passed"
+    # the folder's own case speaks for the files beside the artifacts only (the changed model.onnx is onnx's)
+    folder_case = ET.parse(junit).getroot().find(".//testcase[@classname='exporter.verify.folder'][@name='files']")
+    assert "besides the artifacts' match" in (folder_case.findtext("system-out") or "")
 
 
 def test_a_folder_without_manifest_never_finished(folder):
@@ -121,6 +124,14 @@ def test_missing_and_unlisted_files(folder):
     assert result.exit_code == EXIT_INTEGRITY
     text = " ".join(result.problems)
     assert "reference/outputs.safetensors is missing" in text and "extra.so is in the folder but not in" in text
+
+
+def test_a_hidden_file_added_to_the_folder_fails(folder):
+    """A dotfile is a file too: a ``.hidden.so`` slipped in beside the artifacts is unlisted, and fails."""
+    (folder / ".hidden.so").write_bytes(b"\x7fELF")
+    result = verify(folder)
+    assert result.exit_code == EXIT_INTEGRITY
+    assert ".hidden.so is in the folder but not in manifest.json" in " ".join(result.problems)
 
 
 def test_a_resigned_artifact_that_computes_differently_fails_numerics(folder):
@@ -172,6 +183,7 @@ def test_a_published_folder_names_no_host_and_verifies_where_it_moved(converted,
     report = json.loads((converted / "report.json").read_text())
     manifest = json.loads((converted / "manifest.json").read_text())
     assert "host" not in report["environment"]["device"]
+
     paths = [e["path"] for e in manifest["files"] + manifest["checkpoint"] + manifest["artifacts"]]
     assert paths and not [p for p in paths if Path(p).is_absolute() or ".." in Path(p).parts]
     assert report["recipe"]["source"] == "cpu-fp32 (built-in)"

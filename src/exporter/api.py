@@ -15,6 +15,7 @@ from . import interrupts
 from . import report as report_mod
 from .checkpoint import load_model
 from .checkpoint.files import Checkpoint
+from .disk import folder_of
 from .environment import check_machine
 from .errors import CheckpointError, ExporterError
 from .inputs import plan_inputs
@@ -124,7 +125,7 @@ def convert(checkpoint: str | Path, recipe: str | Path | Recipe = "cpu-fp32", ou
         except Exception as exc:
             full = disk_full(exc)
             if full is not None:
-                raise os_problem(full, folder.final) from None
+                raise os_problem(full, folder_of(full, folder.final)) from None
             raise
         finally:
             run.close()

@@ -8,6 +8,7 @@ import sys
 
 import torch
 
+from .disk import check_temp_folder
 from .errors import EnvironmentProblem
 from .recipe import Recipe
 
@@ -61,7 +62,9 @@ def device_info(device: str, host: bool = False) -> dict[str, object]:
 
 
 def check_machine(recipe: Recipe) -> None:
-    """Fail before loading anything when the recipe asks for what this machine lacks."""
+    """Fail before loading anything when the recipe asks for what this machine lacks (a GPU, bfloat16, a usable
+    temporary folder)."""
+    check_temp_folder()
     if recipe.runtime.device == "cuda" and not torch.cuda.is_available():
         raise EnvironmentProblem(f"recipe {recipe.name} runs on CUDA, but this machine has no usable GPU "
                                  f"(torch {torch.__version__}, cuda {torch.version.cuda})",

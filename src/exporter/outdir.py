@@ -335,7 +335,7 @@ def public_command(argv: list[str]) -> list[str]:
     folder made public (:func:`public_path`)."""
     shown = []
     for arg in argv:
-        option, eq, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+        option, eq, value = arg.partition("=") if arg.startswith("-") and "=" in arg else ("", "", arg)
         if value and (os.path.isabs(value) or os.path.exists(value)):
             value = public_path(value)
         shown.append(f"{option}{eq}{value}")

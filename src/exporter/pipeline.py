@@ -20,6 +20,7 @@ import torch
 from . import report as report_mod
 from .checkpoint import LoadedModel, check_finite, load_model
 from .checkpoint.loader import listing
+from .disk import check_space, space_needs
 from .dtypes import torch_dtype
 from .errors import CheckpointError
 from .inputs import plan_inputs
@@ -155,6 +156,7 @@ class ConvertRun:
                 if runner is not None:
                     loading[result.name] = runner
 
+        check_space(space_needs(recipe, rewritten, self.staging))
         built = build_targets(ctx, progress, self.log, start_loading)
         self.spares.close()  # every child this run needs has started: a spare left over would only hold memory
         with progress.stage("validate numerics"):

@@ -174,7 +174,7 @@ def _check_files(out: Path, manifest: dict[str, Any], result: VerifyResult,
             bad[rel] = f"{rel} has {path.stat().st_size} bytes; manifest.json records {entry.get('bytes')}"
         elif sha256_file(path) != entry.get("sha256"):
             bad[rel] = f"{rel} does not match its SHA-256 in manifest.json (changed after convert)"
-    on_disk = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and not p.name.startswith(".")}
+    on_disk = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() or p.is_symlink()}  # dotfiles too
     unlisted = sorted(on_disk - set(listed) - {"manifest.json"})
     owned = {f["path"] for a in artifacts for f in (a.get("files") or [])}
     for artifact in artifacts:
@@ -188,8 +188,10 @@ def _check_files(out: Path, manifest: dict[str, Any], result: VerifyResult,
                                    EXIT_INTEGRITY))
     others = [bad[p] for p in sorted(bad) if p not in owned] + [f"{p} is in the folder but not in manifest.json"
                                                                 for p in unlisted]
+    besides = len(set(listed) - owned)
     result.checks.append(Check("folder", "files", not others, "; ".join(others) if others else
-                               f"{len(listed)} file(s) match manifest.json", EXIT_INTEGRITY))
+                               f"{besides} file(s) besides the artifacts' match manifest.json, and no file is "
+                               "unlisted", EXIT_INTEGRITY))
     return set(bad)
 
 

@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from .. import targets
 from ..checkpoint import LoadedModel, load_model
 from ..checkpoint.files import Checkpoint
+from ..disk import check_space, space_needs
 from ..dtypes import torch_dtype
 from ..errors import ArchitectureError, describe
 from ..modelio import attention_implementation
@@ -274,6 +275,7 @@ def convert_generation(checkpoint: Path, recipe: Recipe, staging: Path, allow_dr
         wanted = [entry for entry in artifacts if refusals[entry["target"]] is None]
         programs = None
         if wanted:
+            check_space(space_needs(recipe, model, staging, decoder=True))
             with progress.stage("export", "prefill and decode programs"):
                 try:
                     programs = export_steps(step, layout, gen.batch, gen.prompt_length, gen.max_cache_len,

@@ -12,6 +12,7 @@ import psutil
 import torch
 
 from ..errors import shorten
+from ..outdir import public_command
 
 
 def peak_rss_bytes() -> int:
@@ -134,4 +135,5 @@ def _command(proc: psutil.Process) -> str:
         return "exporter.child"
     if "compile_worker" in text or "subproc_pool" in text:
         return "inductor compile worker"
-    return shorten(" ".join(Path(w).name if i == 0 else w for i, w in enumerate(words[:4])), 80)
+    shown = public_command(words[:4])  # a published report names no folder of this machine
+    return shorten(" ".join(Path(w).name if i == 0 else w for i, w in enumerate(shown)), 80)

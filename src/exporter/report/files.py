@@ -19,8 +19,7 @@ def build_manifest(staging: Path, report: dict[str, Any], checkpoint_files: list
     """Every file of the output folder and of the checkpoint with its SHA-256 (hashed in parallel; an
     artifact's hash, taken when it was built, is reused while its size is unchanged)."""
     known = {f["path"]: f for a in report["artifacts"] for f in (a.get("files") or [])}
-    paths = [p for p in sorted(staging.rglob("*")) if p.is_file() and p.name != "manifest.json"
-             and not p.name.startswith(".")]
+    paths = [p for p in sorted(staging.rglob("*")) if p.is_file() and p.name != "manifest.json"]
     fresh = [p for p in paths if not _still(known.get(str(p.relative_to(staging))), p)]
     checkpoints = [Path(p) for p in checkpoint_files]
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:  # hashlib releases the GIL

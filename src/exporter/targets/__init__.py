@@ -15,16 +15,18 @@ from .spec import DecoderLoaded, Loaded, ModelSource, RunnerSpec, Target
 
 TARGETS: tuple[Target, ...] = (
     Target("exported_program", "exporter.targets.exported_program", "torch.export program (.pt2)",
-           needs_program=True, decoder=("prefill.pt2", "decode.pt2")),
+           needs_program=True, decoder=("prefill.pt2", "decode.pt2"), out_copies=1, decoder_copies=2),
     Target("aoti", "exporter.targets.aoti", "AOTInductor package (.pt2)", needs_program=True,
-           decoder=("prefill.aoti.pt2", "decode.aoti.pt2"), preload=True),
+           decoder=("prefill.aoti.pt2", "decode.aoti.pt2"), preload=True, out_copies=1, temp_copies=2,
+           decoder_copies=1),
     Target("onnx", "exporter.targets.onnx", "ONNX (dynamo exporter) run with onnxruntime",
-           requires=("onnx", "onnxruntime", "onnxscript"), needs_program=True, decoder=("prefill.onnx", "decode.onnx")),
+           requires=("onnx", "onnxruntime", "onnxscript"), needs_program=True, decoder=("prefill.onnx", "decode.onnx"),
+           out_copies=1, decoder_copies=1, float32_copies=True),
     Target("compile", "exporter.targets.compile", "torch.compile of the rewritten model (benchmark variant)",
            decoder_note="not built for text-generation: the AOTI decode replayed in a CUDA graph is the compiled "
                         "decode this run times"),
     Target("tensorrt", "exporter.targets.tensorrt", "Torch-TensorRT", requires=("torch_tensorrt", "tensorrt"),
-           needs_program=True, loadable=False),
+           needs_program=True, loadable=False, out_copies=1),
 )
 NAMES: tuple[str, ...] = tuple(t.name for t in TARGETS)
 

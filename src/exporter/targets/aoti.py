@@ -85,15 +85,16 @@ def build(ctx: BuildContext) -> list[Built]:
     spec = RunnerSpec("aoti", "aoti", ctx.device, ctx.dtype, path=str(path),
                       options=(("ld_preload", preload),), attention_backend=ctx.recipe.runtime.attention_backend)
     notes = list(ctx.notes)
-    notes += [f"loaded with LD_PRELOAD={preload} (see docs/gpu.md: AOTI packages can crash on load otherwise)"] \
-        if preload else []
+    notes += [f"loaded with the compiler's libstdc++ preloaded ({os.path.basename(preload)}, the one this process "
+              "maps already; docs/gpu.md: on some GPU machines packages crashed on load without it)"] if preload else []
     notes.append(f"{LOADER} beside it loads the package in a server without a C++ compiler (docs/convert-time.md)")
     if apart:
         notes.append(f"weights ({weights / 2**30:.1f} GiB) in {written[-1].name} beside the package, handed to it "
                      f"at load by {LOADER} (torch's own loader needs them inside)")
     build_s = time.perf_counter() - t0
     built = [Built("aoti", "aoti", spec, path, [*written, loader], build_s, notes=notes,
-                   graph={"ld_preload": preload, "inductor_configs": configs})]
+                   graph={"ld_preload": os.path.basename(preload) if preload else None,
+                          "inductor_configs": configs})]
     if ctx.recipe.targets.aoti_cuda_graph and ctx.device.startswith("cuda") and apart:
         notes.append(f"{GRAPHED} not built: {weights / 2**30:.1f} GiB of weights (over "
                      f"{weights_apart_above() / 2**30:.0f} GiB) would be loaded again by its own process, and a "

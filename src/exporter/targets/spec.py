@@ -129,6 +129,19 @@ class Target:
     decoder: tuple[str, ...] = ()  # the prefill and decode programs' files, for --task text-generation
     decoder_note: str = "not available for text-generation"  # why there are none, where ``decoder`` is empty
     preload: bool = False  # its artifacts load with the compiler's libstdc++ preloaded where needed (toolchain)
+    # copies of the weights it writes: into the output folder, into the temporary folder (a compile's cache, a
+    # load's extraction), and into the output folder as a decoder's programs (disk.check_space reads them)
+    out_copies: float = 0.0
+    temp_copies: float = 0.0
+    decoder_copies: float = 0.0
+    float32_copies: bool = False  # written in float32 where its runtime has no kernels for the recipe's dtype
+
+    def space(self, weight_bytes: int, dtype_bytes: int, decoder: bool = False) -> tuple[int, int]:
+        """Bytes it writes into the output folder and into the temporary folder, for ``weight_bytes`` of weights
+        stored ``dtype_bytes`` to a value."""
+        widen = 4 / dtype_bytes if self.float32_copies and dtype_bytes < 4 else 1.0
+        out = (self.decoder_copies if decoder else self.out_copies) * widen
+        return int(weight_bytes * out), int(weight_bytes * (0 if decoder else self.temp_copies))
 
     def implementation(self) -> Any:
         return importlib.import_module(self.module)

@@ -19,6 +19,12 @@ import os
 import subprocess
 
 
+def _cuda_build() -> bool:
+    import torch  # noqa: PLC0415 - loaded already wherever a package is
+
+    return torch.version.cuda is not None
+
+
 def process_libstdcxx() -> set[str]:
     try:
         with open("/proc/self/maps", encoding="utf-8") as handle:
@@ -45,8 +51,9 @@ def compiler_libstdcxx() -> str | None:
 
 
 def aoti_preload() -> str | None:
-    """What to LD_PRELOAD in a process that loads an AOTInductor package (None: nothing)."""
-    if os.environ.get("EXPORTER_AOTI_PRELOAD", "1") == "0":
+    """What to LD_PRELOAD in a process that loads an AOTInductor package (None: nothing). Only with a CUDA build
+    of torch: the crash was seen where the GPU's libraries load first; a CPU build loads packages as they are."""
+    if os.environ.get("EXPORTER_AOTI_PRELOAD", "1") == "0" or not _cuda_build():
         return None
     lib = compiler_libstdcxx()
     if lib and lib in process_libstdcxx():

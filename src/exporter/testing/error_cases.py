@@ -453,9 +453,34 @@ def _(tmp, a):
 def _(tmp, a):
     out = tmp / "out"
     out.mkdir()
-    (out / "report.json").write_text("{}")
+    (out / "manifest.json").write_text(json.dumps({"schema_version": 1, "files": []}))
     return Case("output folder from an earlier run", "output and faults", convert(a.gpt2, tmp), 5,
                 "already holds a run", output_allowed=True)
+
+
+@case("output and faults", "--overwrite on a folder that is not a run")
+def _(tmp, a):
+    out = tmp / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("a user's own file\n")
+    return Case("--overwrite on a folder that is not a run", "output and faults",
+                convert(a.gpt2, tmp, "--overwrite"), 5, "not an exporter run", output_allowed=True)
+
+
+@case("output and faults", "--out is the checkpoint's folder")
+def _(tmp, a):
+    folder = tmp / "ckpt"
+    shutil.copytree(a.gpt2, folder)
+    argv = convert(folder, tmp, "--overwrite")
+    argv[argv.index("--out") + 1] = str(folder)
+    return Case("--out is the checkpoint's folder", "output and faults", argv, 5,
+                "replacing it would delete the checkpoint", output_allowed=True)
+
+
+@case("output and faults", "TMPDIR names a folder that does not exist")
+def _(tmp, a):
+    return Case("TMPDIR names a folder that does not exist", "output and faults", convert(a.gpt2, tmp), 5,
+                "does not exist", env={"TMPDIR": str(tmp / "no-such-folder")})
 
 
 @case("output and faults", "a second convert into the same folder")
@@ -492,6 +517,41 @@ def _(tmp, a):
 
     return Case("the disk fills up mid-write", "output and faults", argv, 5, "the disk filled up while writing",
                 out=mount / "out", cleanup=unmount)
+
+
+def _small_disk(tmp: Path, name: str, size: str) -> tuple[Path, Callable[[], None]]:
+    mount = tmp / name
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"cannot mount a small tmpfs here ({done.stderr.decode().strip()}): needs root")
+
+    def unmount():
+        for _ in range(5):
+            if subprocess.run(["umount", str(mount)], capture_output=True).returncode == 0:
+                return
+            time.sleep(0.5)
+
+    return mount, unmount
+
+
+@case("output and faults", "not enough space for the artifacts")
+def _(tmp, a):
+    """A 4 MiB disk holds the reference files, not the margin every artifact build needs: refused before it."""
+    mount, unmount = _small_disk(tmp, "four-mib", "4m")
+    argv = convert(a.gpt2, tmp)
+    argv[argv.index("--out") + 1] = str(mount / "out")
+    return Case("not enough space for the artifacts", "output and faults", argv, 5,
+                "not enough free disk space: the artifacts in", out=mount / "out", cleanup=unmount)
+
+
+@case("output and faults", "the temporary folder on a full disk")
+def _(tmp, a):
+    """TMPDIR on a 4 MiB disk: the AOTInductor build and loads would fill it; the error names TMPDIR, not --out."""
+    mount, unmount = _small_disk(tmp, "small-temp", "4m")
+    argv = convert(a.gpt2, tmp, "--set", "targets.build=aoti")
+    return Case("the temporary folder on a full disk", "output and faults", argv, 5,
+                "compiler and AOTInductor temporary files in", env={"TMPDIR": str(mount)}, cleanup=unmount)
 
 
 @case("text generation", "--task text-generation on a model that is not a decoder")
