@@ -33,11 +33,51 @@ def test_help_ends_with_examples():
     assert "Exit codes:" in out
 
 
+def commands(group, path=()):
+    for name, command in group.commands.items():
+        yield (*path, name), command
+        if hasattr(command, "commands"):
+            yield from commands(command, (*path, name))
+
+
+def test_every_help_ends_with_its_exit_codes():
+    found = [path for path, _ in commands(cli)]
+    assert ("recipes", "list") in found and ("verify",) in found
+    for path in [(), *found]:
+        out = CliRunner().invoke(cli, [*path, "--help"]).output
+        assert "Exit codes: 0" in out.split("Options:")[-1], f"exporter {' '.join(path)} --help:\n{out}"
+
+
+def test_the_recorded_command_always_names_the_recipe():
+    """run.command in report.json: the recipe is recorded even when it was the default (defaults can change)."""
+    from exporter.cli import typed_command
+
+    ctx = cli.commands["convert"].make_context("convert", ["model.safetensors", "-t", "aoti"])
+    assert typed_command(ctx) == ["exporter", "convert", "model.safetensors", "--recipe", "cpu-fp32",
+                                  "--target", "aoti"]
+
+
+def test_the_package_shows_its_verbs():
+    import exporter
+
+    assert {"convert", "inspect", "verify", "validate_folder", "load_recipe"} <= set(dir(exporter))
+
+
+def test_recipes_list_json_is_versioned_and_matches_its_schema():
+    jsonschema = pytest.importorskip("jsonschema")
+    from exporter.report import command_schema
+
+    listed = CliRunner().invoke(cli, ["recipes", "list", "--json"])
+    data = json.loads(listed.output)
+    jsonschema.validate(data, command_schema("recipes"))
+    assert data["schema_version"] == 1 and {"cpu-fp32", "h100-bf16"} <= {r["name"] for r in data["recipes"]}
+
+
 @pytest.mark.parametrize("args, code, fragment", [
     (["convert", "/nonexistent/model.safetensors"], 2, "does not exist"),
     (["convert", "x.safetensors", "--recipe", "cpu-fp23"], 2, "did you mean cpu-fp32"),
     (["convert", "x.safetensors", "--model", "not a factory"], 2, "package.module:function"),
-    (["convert", "x.safetensors", "--recipe", "h100-bf16"], 5, "no usable GPU"),
+    (["convert", ".", "--recipe", "h100-bf16"], 5, "no usable GPU"),
     (["convert", "--bogus"], 2, "No such option"),
 ])
 def test_user_errors_are_one_line_with_exit_codes(args, code, fragment, tmp_path):
@@ -57,9 +97,13 @@ def test_debug_shows_the_traceback(tmp_path):
 
 
 def test_inspect_lists_attention_sites(tiny_models):
+    jsonschema = pytest.importorskip("jsonschema")
+    from exporter.report import command_schema
+
     result = run_cli("inspect", str(tiny_models["llama"]), "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
+    jsonschema.validate(data, command_schema("inspect"))
     assert data["architecture"] == "LlamaForCausalLM"
     assert data["parameters"] > 0 and data["dtypes"] == {"float32": len([1 for _ in range(data["tensors"])])}
     assert data["attention"]["found"] == 2
@@ -67,6 +111,7 @@ def test_inspect_lists_attention_sites(tiny_models):
                                                                    "model.layers.1.self_attn"}
     text = run_cli("inspect", str(tiny_models["gpt2"]))
     assert "GPT2LMHeadModel" in text.stdout and "transformer.h.1.attn" in text.stdout
+    assert "[rewritable]" in text.stdout and "[rewritten]" not in text.stdout  # inspect rewrites nothing
 
 
 def test_help_imports_no_torch_or_backends():
@@ -77,6 +122,31 @@ def test_help_imports_no_torch_or_backends():
             "print('HEAVY', heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
     assert "HEAVY []" in out
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["--recipe", "cpu-fp3"], "did you mean cpu-fp32"),
+    (["--set", "numerics.atoll=1"], "did you mean 'atol'"),
+    (["--dim", "batch=two"], "is not NAME=SIZE"),
+    (["--input", "tokens:int64"], "is not NAME:DTYPE:SHAPE"),
+    (["--target", "aot"], "did you mean 'aoti'"),
+    (["--target", "aoti", "--set", "targets.build=onnx"], "both choose the targets"),
+])
+def test_a_mistake_in_an_option_is_told_before_torch_loads(extra, fragment, tiny_models, tmp_path):
+    """Every small grammar is checked by the command line itself: the mistake, its fix, and no torch import
+    (a typo costs a fraction of a second: benchmarks/typo_timing.py prints the times)."""
+    code = ("import sys; from exporter.cli import _run\n"
+            "try:\n    _run(sys.argv[1:])\nexcept SystemExit as exc:\n    print('EXIT', exc.code)\n"
+            "print('TORCH', 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code, "convert", str(tiny_models["gpt2"]), *extra],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert "EXIT 2" in done.stdout and "TORCH False" in done.stdout, done.stdout + done.stderr
+    assert fragment in done.stderr and done.stderr.count("error:") == 1
+
+
+def test_generate_names_the_target_it_could_mean(tmp_path):
+    done = run_cli("generate", str(tmp_path), "-t", "exported_progam", "--input-ids", "1")
+    assert done.returncode == 2 and "did you mean 'exported_program'" in done.stderr
 
 
 @pytest.mark.slow

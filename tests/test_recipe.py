@@ -113,6 +113,9 @@ def test_builtin_recipes_resolve_after_a_plain_install(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "exporter/recipes/cpu-fp32.toml" in names
     assert "exporter/report/schema.json" in names  # consumers validate reports against the installed schema
+    assert {f"exporter/report/{n}.schema.json" for n in ("generation", "verify", "validate", "inspect", "recipes")} \
+        <= set(names)
+    assert "exporter/py.typed" in names  # type checkers read the package's annotations
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
                    check=True)

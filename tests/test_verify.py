@@ -110,6 +110,18 @@ def test_flipped_bytes_in_the_onnx_model_fail_the_gate(folder, tmp_path):
     assert "besides the artifacts' match" in (folder_case.findtext("system-out") or "")
 
 
+def test_verify_json_is_versioned_and_matches_its_schema(folder):
+    jsonschema = pytest.importorskip("jsonschema")
+    from exporter.report import command_schema
+
+    run = subprocess.run([sys.executable, "-m", "exporter", "verify", str(folder), "--json"], capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    data = json.loads(run.stdout)
+    jsonschema.validate(data, command_schema("verify"))
+    assert data["schema_version"] == 1 and data["command"] == "verify" and data["passed"]
+
+
 def test_a_folder_without_manifest_never_finished(folder):
     (folder / "manifest.json").unlink()
     result = verify(folder)

@@ -14,6 +14,10 @@ from .errors import ExporterError
 __all__ = ["convert", "inspect", "verify", "validate_folder", "load_recipe", "ExporterError"]
 
 
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
 def __getattr__(name: str):  # keep `import exporter` light: torch loads on first use
     if name in ("convert", "inspect"):
         from . import api

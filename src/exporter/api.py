@@ -26,7 +26,7 @@ from .pipeline import ConvertRun
 from .prepare import original_module
 from .progress import Progress
 from .quiet import quiet_libraries
-from .recipe import Recipe, apply_settings, load_recipe
+from .recipe import Recipe, resolve_recipe
 from .report.assemble import checkpoint_dtypes
 from .rewrite import rewrite_attention
 
@@ -41,17 +41,6 @@ class ConvertResult:
     @property
     def passed(self) -> bool:
         return bool(self.report.get("passed"))
-
-
-def resolve_recipe(recipe: str | Path | Recipe, factory: str | None = None, dims: tuple[str, ...] = (),
-                   tensors: tuple[str, ...] = (), rewrite: bool = True, targets: tuple[str, ...] = (),
-                   settings: tuple[str, ...] = (), task: str | None = None) -> Recipe:
-    """The recipe (a name, a path or a Recipe) with the command line's ``--set`` overrides, then its factory,
-    input declarations, ``--target`` selection and ``--no-rewrite`` (``rewrite=False``; True keeps the
-    recipe's own setting)."""
-    loaded = apply_settings(recipe if isinstance(recipe, Recipe) else load_recipe(recipe), settings)
-    resolved = loaded.with_factory(factory).with_inputs(dims, tensors).with_targets(targets).with_task(task)
-    return resolved if rewrite else resolved.with_rewrite(False)
 
 
 TREE_BOUND_EXTRA = 4 * 2**30  # GPU recipes: the process tree within 1.3 x the checkpoint + 4 GiB (docs/convert-time.md)
@@ -156,6 +145,8 @@ def inspect(checkpoint: str | Path, recipe: str | Path | Recipe = "cpu-fp32", *,
     original = original_module(loaded, signature)
     _, audit = rewrite_attention(original, [plan.samples[0][n] for n in plan.names])
     return {
+        "schema_version": 1,
+        "command": "inspect",
         "checkpoint": str(checkpoint),
         "files": [str(f) for f in loaded.checkpoint.files],
         "format": loaded.checkpoint.format,

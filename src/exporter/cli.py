@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import difflib
 import json
 import os
 import sys
@@ -39,10 +40,52 @@ INSPECT_EXAMPLES = """
 Examples:
   exporter inspect model.safetensors
   exporter inspect ./checkpoint-folder --json
-"""
+
+\b
+""" + exit_codes_help("read")
+
+RECIPES_EXAMPLES = """
+\b
+Examples:
+  exporter recipes list
+  exporter recipes list --json
+  exporter recipes show h100-bf16 > my-recipe.toml
+
+\b
+""" + exit_codes_help("read")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class TargetName(click.ParamType):
+    """A target's name, checked when the command line is read (before torch loads), with a did-you-mean."""
+
+    name = "target"
+
+    def convert(self, value, param, ctx):
+        if value in TARGET_NAMES:
+            return value
+        near = difflib.get_close_matches(str(value), TARGET_NAMES, n=1, cutoff=0.5)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        self.fail(f"{value!r} is not a target{hint}; targets are {', '.join(TARGET_NAMES)}", param, ctx)
+
+    def get_metavar(self, param, ctx=None):
+        return "[" + "|".join(TARGET_NAMES) + "]"
+
+
+def checked(checkpoint, recipe, factory, dims, tensors, rewrite, targets, settings, task, inputs_file=None):
+    """Everything the command line can check without torch: the recipe with every option applied, the
+    checkpoint's and the inputs file's existence (a typo costs a moment, not torch's import)."""
+    from .errors import CheckpointError, InputsError
+    from .recipe import resolve_recipe
+
+    resolved = resolve_recipe(recipe, factory, dims, tensors, rewrite, targets, settings, task)
+    if not Path(checkpoint).exists():
+        raise CheckpointError(f"checkpoint {checkpoint} does not exist", "check the path")
+    if inputs_file is not None and not Path(inputs_file).is_file():
+        raise InputsError(f"inputs file {inputs_file} does not exist", "check the --inputs path")
+    return resolved
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog="\b\n" + exit_codes_help("convert"))
 @click.version_option(package_name="exporter", prog_name="exporter")
 def cli() -> None:
     """Turn a trained checkpoint into validated, faster deployable artifacts."""
@@ -61,7 +104,7 @@ def cli() -> None:
               help="Declare an input dim (dynamic when MIN < MAX); repeatable.")
 @click.option("--input", "tensors", multiple=True, metavar="NAME:DTYPE:SHAPE[:LOW:HIGH]",
               help="Declare a model input, SHAPE as comma-separated sizes or dim names; repeatable.")
-@click.option("--target", "-t", "targets", multiple=True, type=click.Choice(TARGET_NAMES),
+@click.option("--target", "-t", "targets", multiple=True, type=TargetName(),
               help="Build only this target of the recipe's; repeatable.")
 @click.option("--no-rewrite", is_flag=True,
               help="Leave attention as written (sites still audited): the baseline for what the rewrite buys.")
@@ -79,6 +122,7 @@ def cli() -> None:
 def convert(checkpoint, recipe, out, factory, inputs_file, dims, tensors, targets, no_rewrite, task, settings,
             allow_drift, allow_pickle, overwrite, quiet, as_json):
     """Load CHECKPOINT, rewrite attention to SDPA, export, validate numerics, benchmark and report."""
+    checked(checkpoint, recipe, factory, dims, tensors, not no_rewrite, targets, settings, task, inputs_file)
     from .api import convert as run_convert
     progress = Progress(enabled=not quiet)
     result = run_convert(checkpoint, recipe, out, model=factory, inputs=inputs_file, allow_drift=allow_drift,
@@ -99,16 +143,18 @@ def convert(checkpoint, recipe, out, factory, inputs_file, dims, tensors, target
 
 
 def typed_command(ctx: click.Context) -> list[str]:
-    """The command as it could be typed again: its arguments, then every option not left at its default."""
+    """The command as it could be typed again: its arguments, the recipe (always: a default can change), then
+    every other option not left at its default."""
     parts = ["exporter", str(ctx.info_name)]
     options = []
     for param in ctx.command.params:
         value = ctx.params.get(param.name or "")
         if isinstance(param, click.Argument):
             parts.append(str(value))
-        elif isinstance(param, click.Option) and value not in (None, False, ()) and value != param.default:
+        elif isinstance(param, click.Option) and (param.name == "recipe" or (
+                value not in (None, False, ()) and value != param.default)):
             flag = max(param.opts, key=len)
-            values = value if param.multiple else (None,) if param.is_flag else (value,)
+            values = (value or ()) if param.multiple else (None,) if param.is_flag else (value,)
             for item in values:
                 options += [flag] if item is None else [flag, str(item)]
     return parts + options
@@ -138,6 +184,7 @@ def show_markdown(text: str, console=None) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def inspect(checkpoint, recipe, factory, inputs_file, dims, tensors, allow_pickle, as_json):
     """Show CHECKPOINT's architecture, parameters, dtypes and attention sites, without exporting."""
+    checked(checkpoint, recipe, factory, dims, tensors, True, (), (), None, inputs_file)
     from .api import inspect as run_inspect
 
     data = run_inspect(checkpoint, recipe, model=factory, inputs=inputs_file, allow_pickle=allow_pickle, dims=dims,
@@ -158,23 +205,31 @@ def inspect(checkpoint, recipe, factory, inputs_file, dims, tensors, allow_pickl
         props = [k for k in ("causal", "masked", "grouped_query") if site.get(k)]
         extra = f" head_dim={site['head_dim']}" if site.get("head_dim") else ""
         reason = f" — {site['reason']}" if site.get("reason") else ""
-        click.echo(f"  {site['location']}: {site['kind']} [{site['status']}] {' '.join(props)}{extra}{reason}")
+        status = "rewritable" if site["status"] == "rewritten" else site["status"]  # inspect changes nothing
+        click.echo(f"  {site['location']}: {site['kind']} [{status}] {' '.join(props)}{extra}{reason}")
 
 
-@cli.group()
+@cli.group(epilog=RECIPES_EXAMPLES)
 def recipes() -> None:
     """List and show the built-in recipes."""
 
 
-@recipes.command("list")
-def recipes_list():
+@recipes.command("list", epilog=RECIPES_EXAMPLES)
+@click.option("--json", "as_json", is_flag=True, help="Print every recipe, whole, as JSON.")
+def recipes_list(as_json):
     """List the built-in recipes."""
-    for name in builtin_names():
-        recipe = load_recipe(name)
-        click.echo(f"{name:<20} {recipe.runtime.device:<5} {recipe.runtime.dtype:<9} {recipe.description}")
+    loaded = [load_recipe(name) for name in builtin_names()]
+    if as_json:
+        click.echo(json.dumps({"schema_version": 1, "command": "recipes", "recipes": [
+            {"name": r.name, "device": r.runtime.device, "dtype": r.runtime.dtype, "targets": list(r.targets.build),
+             "description": r.description, "recipe": {**r.to_dict(), "source": f"{r.name} (built-in)"}}
+            for r in loaded]}, indent=2))
+        return
+    for recipe in loaded:
+        click.echo(f"{recipe.name:<20} {recipe.runtime.device:<5} {recipe.runtime.dtype:<9} {recipe.description}")
 
 
-@recipes.command("show")
+@recipes.command("show", epilog=RECIPES_EXAMPLES)
 @click.argument("name")
 def recipes_show(name):
     """Print a recipe file (built-in NAME or a path) after checking it."""
@@ -249,8 +304,8 @@ Examples:
 
 @cli.command(epilog=GENERATE_EXAMPLES)
 @click.argument("out_dir", type=click.Path(path_type=str))
-@click.option("--target", "-t", "target", required=True, metavar="NAME",
-              help="The built target to generate with (exported_program, aoti).")
+@click.option("--target", "-t", "target", required=True, type=TargetName(),
+              help="The built target to generate with (exported_program, aoti, onnx).")
 @click.option("--input-ids", "input_ids", multiple=True, required=True, metavar="1,2,3",
               help="A prompt's token ids; repeat for more rows (shorter rows are left-padded).")
 @click.option("--max-new-tokens", type=int, default=None, help="Tokens to generate [default: the recipe's new_tokens].")

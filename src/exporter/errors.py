@@ -81,6 +81,9 @@ def exit_codes_help(command: str = "convert") -> str:
     if command == "verify":
         entries = [(EXIT_OK, "verified")] + [(c, next(e.short for e in EXIT_CODES if e.code == c))
                                               for c in VERIFY_PRECEDENCE]
+    elif command == "read":  # commands that only read (inspect, recipes): a mistake or what the machine lacks
+        entries = [(EXIT_OK, "done")] + [(c, next(e.short for e in EXIT_CODES if e.code == c))
+                                         for c in (EXIT_USAGE, EXIT_ENVIRONMENT)]
     else:
         entries = [(e.code, e.short) for e in EXIT_CODES if e.meaning and e.code != EXIT_INTERNAL]
     text = "Exit codes: " + ", ".join(f"{code} {meaning}" for code, meaning in entries) + "."

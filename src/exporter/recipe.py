@@ -673,3 +673,18 @@ def apply_settings(recipe: Recipe, settings: tuple[str, ...]) -> Recipe:
         table[section][key] = _setting_value(value, table[section].get(key))
     problems = _Problems("given with --set", hint)
     return parse_recipe(table, name=recipe.name, source=recipe.source, problems=problems)
+
+
+def resolve_recipe(recipe: str | Path | Recipe, factory: str | None = None, dims: tuple[str, ...] = (),
+                   tensors: tuple[str, ...] = (), rewrite: bool = True, targets: tuple[str, ...] = (),
+                   settings: tuple[str, ...] = (), task: str | None = None) -> Recipe:
+    """The recipe (a name, a path or a Recipe) with the command line's ``--set`` overrides, then its factory,
+    input declarations, ``--target`` selection and ``--no-rewrite`` (``rewrite=False``; True keeps the
+    recipe's own setting). Torch is not needed: the command line checks all of it before loading torch.
+    ``--target`` and ``--set targets.build=`` both choosing the targets is refused: neither silently wins."""
+    if targets and any(s.split("=", 1)[0].strip() == "targets.build" for s in settings):
+        raise RecipeError("--target and --set targets.build=... both choose the targets to build",
+                          "give one of them: --target NAME (repeatable) or --set targets.build=NAME,NAME")
+    loaded = apply_settings(recipe if isinstance(recipe, Recipe) else load_recipe(recipe), settings)
+    resolved = loaded.with_factory(factory).with_inputs(dims, tensors).with_targets(targets).with_task(task)
+    return resolved if rewrite else resolved.with_rewrite(False)

@@ -144,7 +144,8 @@ def _worst_sample(result: VariantResult) -> int | None:
 def _summarise(out: Path, results: list[VariantResult]) -> dict[str, Any]:
     problems = problem_lines((r.name, r.status, r.error) for r in results)
     code = exit_code(r.status for r in results)
-    return {"folder": str(out), "passed": code == EXIT_OK, "exit_code": code, "problems": problems,
+    return {"schema_version": 1, "command": "validate", "folder": str(out), "passed": code == EXIT_OK,
+            "exit_code": code, "problems": problems,
             "candidates": [{"name": r.name, "target": r.target, "status": r.status, "error": r.error,
                             "device": r.device, "dtype": r.dtype,
                             "numerics": r.numerics.to_dict() if r.numerics else None} for r in results]}

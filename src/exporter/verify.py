@@ -87,7 +87,8 @@ class VerifyResult:
         return [c.line() for c in self.checks if c.passed is False]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"folder": str(self.out), "passed": self.passed, "exit_code": self.exit_code, "problems": self.problems,
+        return {"schema_version": 1, "command": "verify", "folder": str(self.out), "passed": self.passed,
+                "exit_code": self.exit_code, "problems": self.problems,
                 "checks": [{"subject": c.subject, "check": c.name,
                             "status": {True: "passed", False: "failed", None: "skipped"}[c.passed],
                             "message": c.message, "seconds": round(c.seconds, 3)} for c in self.checks]}

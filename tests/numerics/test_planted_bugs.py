@@ -117,6 +117,10 @@ def test_validate_locate_on_the_folder_in_a_fresh_process(dropped_mask_run):
                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert run.returncode == 3, run.stderr
     data = json.loads(run.stdout)
+    jsonschema = pytest.importorskip("jsonschema")
+    from exporter.report import command_schema
+
+    jsonschema.validate(data, command_schema("validate"))  # versioned: schema_version, command
     (entry,) = data["candidates"]
     found = entry["numerics"]["locate"]
     assert found["module"] == "encoder.layer.0.attention.self" and found["found_by"] == "graph"

@@ -76,3 +76,22 @@ def test_the_chart_is_an_image_of_the_timed_variants_linked_from_the_markdown(fo
     assert "![Latency and speedup per variant](report.png)" in (folder / "report.md").read_text()
     manifest = json.loads((folder / "manifest.json").read_text())
     assert "report.png" in {f["path"] for f in manifest["files"]}
+
+
+def _timed(**artifacts):
+    """A report's head for the verdict: each artifact's speedup and whether the quartiles support it."""
+    return {"passed": True, "allow_drift": False, "exit_code": 0, "baseline": {"bench": {"noise": 0.3}},
+            "artifacts": [{"name": name, "bench": {"speedup_vs_eager": value, "speedup_supported": supported}}
+                          for name, (value, supported) in artifacts.items()]}
+
+
+def test_the_headline_gives_both_verdicts():
+    from exporter.report.markdown import headline
+
+    assert headline(_timed(aoti=(1.6, True), onnx=(2.0, False))) == \
+        "numerics: passed · speed: faster (aoti 1.60× eager)"
+    assert headline(_timed(aoti=(1.6, False))) == "numerics: passed · speed: not measurable (eager's noise 30%)"
+    assert headline(_timed(aoti=(0.8, True))) == \
+        "numerics: passed · speed: not faster than eager (best: aoti 0.80×)"
+    failed = {**_timed(aoti=(1.2, True)), "passed": False, "exit_code": 3}
+    assert headline(failed).startswith("numerics: FAILED · speed: faster")

@@ -11,6 +11,7 @@ is timed without, and the reason is kept.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import torch
@@ -90,8 +91,11 @@ def time_steps(steps: Steps, prompt: Prompt, tokens: int, warmup: int, rounds: i
     return out
 
 
-def time_eager_generate(model: nn.Module, prompt: Prompt, tokens: int, device: str, rounds: int) -> dict[str, Any]:
-    """transformers' ``generate`` (greedy, its default cache): prefill = one new token; per token = the rest."""
+def time_eager_generate(model: nn.Module, prompt: Prompt, tokens: int, device: str, rounds: int,
+                        max_seconds: float = 0.0) -> dict[str, Any]:
+    """transformers' ``generate`` (greedy, its default cache): prefill = one new token; per token = the rest.
+    With ``max_seconds`` > 0 the rounds are cut (to one at least) so that the timing takes about that long: the
+    eager model is only the baseline, and a slow one must not hold a convert for minutes."""
     ids, mask = prompt.input_ids.to(device), prompt.mask.to(device)
 
     hf: Any = model  # a transformers PreTrainedModel
@@ -101,12 +105,17 @@ def time_eager_generate(model: nn.Module, prompt: Prompt, tokens: int, device: s
                        pad_token_id=0)
 
     with torch.inference_mode():
+        t0 = time.perf_counter()
+        run(tokens)  # the warm-up, and the measure of what one round costs
+        once = time.perf_counter() - t0
+        if max_seconds > 0:
+            rounds = max(1, min(rounds, int(max_seconds / max(2 * once, 1e-9))))
         prefill = _median(lambda: run(1), device, 1, rounds)
-        many = _median(lambda: run(tokens), device, 1, rounds)
+        many = _median(lambda: run(tokens), device, 0, rounds)
     per_token = max(many - prefill, 0.0) / max(tokens - 1, 1)
     batch = ids.shape[0]
-    return {"batch": batch, "prompt": prompt.length, "tokens": tokens, "prefill": {"median_ms": prefill},
-            "decode": {"median_ms": per_token}, "decode_best_ms": per_token,
+    return {"batch": batch, "prompt": prompt.length, "tokens": tokens, "rounds": rounds,
+            "prefill": {"median_ms": prefill}, "decode": {"median_ms": per_token}, "decode_best_ms": per_token,
             "tokens_per_s": batch * 1e3 / per_token if per_token > 0 else None}
 
 

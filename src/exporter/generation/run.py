@@ -191,7 +191,8 @@ def benchmark_eager(model: torch.nn.Module, prompt: Prompt, recipe: Recipe, tran
     if transformers:
         for label, which in (("batch_1", prompt.row(0)), ("batch", prompt)):
             eager[label] = bench.time_eager_generate(model, which, recipe.generation.bench_tokens,
-                                                     recipe.runtime.device, recipe.bench.rounds)
+                                                     recipe.runtime.device, recipe.bench.rounds,
+                                                     recipe.bench.max_seconds / 2)  # two batch sizes
             eager[label]["bandwidth"] = bench.bandwidth(eager[label], timing["weight_bytes"],
                                                         timing["copy_bytes_per_s"])
     return eager

@@ -104,7 +104,7 @@ class Timing:
 
     def brief(self) -> dict[str, Any]:
         """The median, the 90th percentile and how many calls: what a generation step's timing reports."""
-        return {"median_ms": self.median_ms, "p90_ms": self.p90_ms, "rounds": self.runs}
+        return {"median_ms": self.median_ms, "p90_ms": self.p90_ms, "rounds": self.runs, "noise": self.noise}
 
     @classmethod
     def of(cls, times: list[float]) -> "Timing":

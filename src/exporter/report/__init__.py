@@ -7,9 +7,10 @@ finished. It holds the SHA-256 of the checkpoint and of every file in the output
 recipe, the software versions and the device, so a release can be verified later.
 """
 
-from .assemble import REPORT_SCHEMA_VERSION, SCHEMA_FILE, assemble, report_schema
+from .assemble import REPORT_SCHEMA_VERSION, SCHEMA_FILE, assemble, command_schema, report_schema
 from .files import write_all
 from .markdown import kernel_summary, render_markdown
 
-__all__ = ["assemble", "render_markdown", "write_all", "kernel_summary", "report_schema", "SCHEMA_FILE",
+__all__ = ["assemble", "command_schema", "render_markdown", "write_all", "kernel_summary", "report_schema",
+           "SCHEMA_FILE",
            "REPORT_SCHEMA_VERSION"]

@@ -77,6 +77,12 @@ def run_section(recipe, timings: dict[str, float], total_s: float) -> dict[str, 
                                                                         host=recipe.report.host)}}
 
 
+def command_schema(command: str) -> dict[str, Any]:
+    """The JSON Schema of ``exporter COMMAND --json`` (verify, validate, inspect, recipes), shipped beside this
+    module."""
+    return json.loads(SCHEMA_FILE.with_name(f"{command}.schema.json").read_text(encoding="utf-8"))
+
+
 def _variant_dict(result: VariantResult) -> dict[str, Any]:
     return {
         "target": result.target,
@@ -104,7 +110,7 @@ def assemble(*, recipe, checkpoint, loaded, plan, signature, reference, audit, r
     dynamic = {name: {str(axis): {"dim": d.name, "min": d.min, "max": d.max} for axis, d in axes.items()}
                for name, axes in plan.dynamic_axes().items()}
     return {
-        **verdict_section([(r.name, r.status, r.error) for r in results], allow_drift, warnings),
+        **verdict_section([(r.name, r.status, r.error) for r in results], allow_drift, warnings, task="forward"),
         "model": model_section(checkpoint, loaded),
         "recipe": recipe_section(recipe),
         "inputs": {

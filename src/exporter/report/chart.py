@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .markdown import headline
+
 FILE = "report.png"
 WIDTH_PX = 1200
 HEIGHT_BASE_PX = 180
@@ -84,12 +86,60 @@ def write_chart(report: dict[str, Any], folder: Path) -> str | None:
                             Patch(color="#bdbdbd", label="too noisy to tell (⚠)")],
                    loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=3, frameon=False, fontsize=8)
     title = report["model"]["name"]
-    fig.suptitle(f"{title} with {report['recipe']['name']} on {report['environment']['device'].get('name')}",
-                 fontsize=11)
+    fig.suptitle(f"{title} with {report['recipe']['name']} on {report['environment']['device'].get('name')}\n"
+                 f"{headline(report)}", fontsize=10)
     fig.tight_layout()
     fig.savefig(folder / FILE, dpi=DPI)  # the size is fixed by figsize and dpi: no bbox_inches="tight"
     plt.close(fig)
     return FILE
 
 
-__all__ = ["write_chart", "size_px", "timed_rows", "FILE"]
+def decode_rows(report: dict[str, Any]) -> list[tuple[str, float, float | None]]:
+    """(label, batch-1 ms/token, batch-B ms/token) of every timed row of a generation report, eager first."""
+    rows = []
+    named = [("eager generate()", report["baseline"].get("bench"))]
+    named += [(row["name"], row.get("bench")) for row in [report["rewritten"], *report["artifacts"]]]
+    for label, bench in named:
+        one = ((bench or {}).get("batch_1") or {}).get("decode_best_ms")
+        if isinstance(one, (int, float)) and one > 0:
+            rows.append((label, one, ((bench or {}).get("batch") or {}).get("decode_best_ms")))
+    return rows
+
+
+def write_generation_chart(report: dict[str, Any], folder: Path) -> str | None:
+    """``report.png`` of a generation run: each variant's decode time per token (its best: from a CUDA graph
+    where one replayed it) at batch 1 and at the recipe's batch; None when nothing was timed."""
+    rows = decode_rows(report)
+    if not rows:
+        return None
+    import matplotlib  # noqa: PLC0415 - only when a chart is drawn
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt  # noqa: PLC0415
+
+    width, height = size_px(len(rows))
+    fig, axis = plt.subplots(figsize=(width / DPI, height / DPI), dpi=DPI)
+    labels = [label for label, _, _ in rows][::-1]
+    ones = [one for _, one, _ in rows][::-1]
+    many = [b if isinstance(b, (int, float)) else 0.0 for _, _, b in rows][::-1]
+    positions = range(len(rows))
+    batch = report["generation"]["batch"]
+    axis.barh([p + 0.2 for p in positions], ones, height=0.4, color="#3182bd", label="batch 1")
+    axis.barh([p - 0.2 for p in positions], many, height=0.4, color="#9ecae1", label=f"batch {batch}")
+    for y, value in zip(positions, ones):
+        axis.annotate(f"{value:.3g}", (value, y + 0.2), xytext=(4, -3), textcoords="offset points", fontsize=8)
+    axis.set_yticks(list(positions), labels)
+    if max(ones) / min(ones) > 20:
+        axis.set_xscale("log")
+    axis.set_xlabel("decode ms per token (each variant's best: replayed from a CUDA graph where it was)")
+    axis.grid(axis="x", alpha=0.3)
+    axis.legend(loc="lower right", fontsize=8)
+    fig.suptitle(f"{report['model']['name']}: text generation with {report['recipe']['name']} on "
+                 f"{report['environment']['device'].get('name')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(folder / FILE, dpi=DPI)
+    plt.close(fig)
+    return FILE
+
+
+__all__ = ["write_chart", "write_generation_chart", "size_px", "timed_rows", "decode_rows", "FILE"]

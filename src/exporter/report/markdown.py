@@ -38,12 +38,40 @@ def _verdict(variant: dict) -> str:
         variant["status"], variant["status"])
 
 
+def numerics_verdict(report: dict[str, Any]) -> str:
+    if report["passed"]:
+        return "passed"
+    return "FAILED (drift allowed)" if report["allow_drift"] and report["exit_code"] == 0 else "FAILED"
+
+
+def speed_verdict(report: dict[str, Any]) -> str:
+    """What the timings say of the artifacts against eager, in a few words: the best one that is clearly faster,
+    else that none is, else that the noise does not let the timings tell."""
+    timed = [(a["name"], a["bench"]) for a in report["artifacts"]
+             if (a.get("bench") or {}).get("speedup_vs_eager") is not None]
+    if not timed:
+        return "not timed"
+    supported = [(name, b) for name, b in timed if b.get("speedup_supported")]
+    faster = [(name, b) for name, b in supported if b["speedup_vs_eager"] > 1]
+    if faster:
+        name, best = max(faster, key=lambda item: item[1]["speedup_vs_eager"])
+        return f"faster ({name} {best['speedup_vs_eager']:.2f}× eager)"
+    if supported:
+        name, best = max(supported, key=lambda item: item[1]["speedup_vs_eager"])
+        return f"not faster than eager (best: {name} {best['speedup_vs_eager']:.2f}×)"
+    noise = (report["baseline"].get("bench") or {}).get("noise")
+    return "not measurable" + (f" (eager's noise {noise:.0%})" if isinstance(noise, (int, float)) else "")
+
+
+def headline(report: dict[str, Any]) -> str:
+    """Both verdicts: ``numerics: passed · speed: not measurable (eager's noise 30%)``."""
+    return f"numerics: {numerics_verdict(report)} · speed: {speed_verdict(report)}"
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     r = report
-    verdict = "PASSED" if r["passed"] else ("FAILED (drift allowed)" if r["allow_drift"] and r["exit_code"] == 0
-                                            else "FAILED")
     lines = [
-        f"# exporter report: {r['model']['name']} with `{r['recipe']['name']}` — {verdict}",
+        f"# exporter report: {r['model']['name']} with `{r['recipe']['name']}` — {headline(r)}",
         "",
         f"- Model: `{r['model']['architecture']}` ({r['model']['architecture_source']}), "
         f"{r['model']['parameters']:,} parameters",
