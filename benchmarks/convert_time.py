@@ -287,7 +287,7 @@ def write_doc(results: list[dict[str, Any]], path: Path) -> None:
         if r.get("problems"):
             lines += ["", "Problems: " + "; ".join(r["problems"])]
         lines.append("")
-    notes = Path(__file__).with_name("convert_time_notes.md")
+    notes = ROOT / "docs" / "convert-time-notes.md"
     if notes.is_file():
         lines += [notes.read_text(encoding="utf-8")]
     path.write_text("\n".join(lines), encoding="utf-8")

@@ -908,7 +908,7 @@ def write_doc(paths: list[Path], doc: Path) -> None:
             lines.append(f"| {a['name']} | {status} | {gate} | {fmt(a.get('build_s'), '.1f')} | "
                          f"{fmt(a.get('load_s'), '.1f')} | {fmt(a.get('median_ms'), '.3f')} | "
                          f"{fmt(a.get('speedup_vs_eager'), '.2f')} |")
-    notes = ROOT / "benchmarks" / "gpu_suite_notes.md"
+    notes = ROOT / "docs" / "gpu-suite-notes.md"
     if notes.is_file():
         lines += ["", notes.read_text().strip()]
     doc.write_text("\n".join(lines) + "\n", encoding="utf-8")

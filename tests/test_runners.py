@@ -100,6 +100,55 @@ def test_the_parent_survives(loaders):
     assert sys.modules["exporter.runners"] is not None  # still here, still running
 
 
+def test_two_variants_of_one_artifact_share_one_process(loaders):
+    """aoti:cuda-graph is loaded into aoti's process: one process per artifact kind. Each is spoken to on its
+    own, in any order, and the process ends with its host."""
+    first = RemoteRunner(spec("doubling"), wait=False)
+    second = RemoteRunner(RunnerSpec("graphed", "doubling", "cpu", "float32"), host=first, wait=False)
+    try:
+        assert second.process is first.process
+        second.ready()  # the host's answer comes first on the line: it is read and kept for the host
+        first.ready()
+        x = torch.arange(3.0)
+        for runner in (first, second, first):
+            assert torch.equal(runner.run([[x]])[0][0], x * 2)
+        events = list(second.begin_stream([x]))
+        assert events[0][0] == "outputs" and torch.equal(events[1][2], x * 2)
+        second.set_bench_input([x])
+        assert len(second.bench(3)) == 3
+        second.close()
+        assert first.process.poll() is None  # the hosted variant leaves the process to its host
+    finally:
+        first.close()
+    assert first.process.poll() is not None
+
+
+def test_a_variant_whose_host_cannot_load_fails_with_the_hosts_reason(loaders):
+    first = RemoteRunner(spec("raises_on_load"), wait=False)
+    second = RemoteRunner(RunnerSpec("graphed", "doubling", "cpu", "float32"), host=first, wait=False)
+    with pytest.raises(RunnerFailed, match="could not load raises_on_load.*cannot open the artifact"):
+        second.ready()
+    with pytest.raises(RunnerFailed, match="cannot open the artifact"):
+        first.ready()
+    first.close()
+
+
+def test_the_host_is_used_before_its_guest_has_been_waited_for(loaders):
+    """The guest's load was asked for before the host's first request: its answer comes first on the line and
+    is read (and kept for the guest) before the request's."""
+    first = RemoteRunner(spec("doubling"), wait=False)
+    second = RemoteRunner(RunnerSpec("graphed", "doubling", "cpu", "float32"), host=first, wait=False)
+    try:
+        first.ready()
+        x = torch.ones(2)
+        assert torch.equal(first.run([[x]])[0][0], x * 2)
+        assert second.load_s is not None  # read on the way
+        assert torch.equal(second.ready().run([[x]])[0][0], x * 2)
+    finally:
+        second.close()
+        first.close()
+
+
 def test_spares_wait_ahead_are_taken_and_replaced_while_more_are_expected(loaders, tmp_path):
     logs = tmp_path / "logs"
     logs.mkdir()

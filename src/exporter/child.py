@@ -136,53 +136,76 @@ def child_main(fd: int) -> None:
 
 
 def serve(conn: Channel, spec: RunnerSpec) -> None:
-    """Load the variant, then answer run/bench/memory requests until the parent says quit."""
+    """Load the variant, then answer run/bench/memory requests until the parent says quit.
+
+    ``("add", spec)`` loads another variant of the same artifact into this process (``aoti:cuda-graph`` beside
+    ``aoti``: one process per artifact kind, so one CUDA context and one interpreter fewer); a request for it
+    comes as ``("as", name, command, ...)``. The first variant's requests come as they are."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     quiet = quiet_libraries()
     quiet.__enter__()  # for the child's whole life
-    try:
-        t0 = time.perf_counter()
-        loaded = load_runner(spec)
-        session = Session(loaded)
-        conn.send(("ready", time.perf_counter() - t0, dict(loaded.info)))
-    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent as a reason
-        conn.send(("error", describe(exc), traceback.format_exc()))
+    sessions: dict[str, Session] = {}
+    if not _load(conn, spec, sessions):
         return
+    first = sessions[spec.name]
     while True:
         try:
             message = conn.recv()
         except EOFError:
             return
         command, *args = message
-        reply: Any = None
+        if command == "add":
+            _load(conn, args[0], sessions)
+            continue
+        session = first
+        if command == "as":
+            name, command, *args = args
+            session = sessions[name]
         try:
-            if command == "run":
-                reply = session.run(args[0])
-            elif command == "set_bench_input":
-                session.set_bench_input(args[0])
-                reply = None
-            elif command == "bench":
-                reply = session.bench(args[0])
-            elif command == "memory":
-                reply = peak_memory(loaded.device)
-            elif command == "info":
-                reply = dict(loaded.info)
-            elif command == "call":  # a named hook of the loaded variant (e.g. a profiler)
-                reply = loaded.hooks[args[0]](session, *args[1:])
-            elif command == "stream":  # one sample, its outputs sent in chunks: nothing large is pickled
+            if command == "stream":  # one sample, its outputs sent in chunks: nothing large is pickled
                 stream_outputs(conn, session, args[0], args[1])
                 continue
-            elif command == "quit":  # end at once: tearing down torch's interpreter state takes seconds
+            if command == "quit":  # end at once: tearing down torch's interpreter state takes seconds
                 for stream in (sys.stdout, sys.stderr):
                     stream.flush()
                 conn.send(("ok", None))
                 os._exit(0)
-            else:
-                raise ValueError(f"unknown command {command!r}")
-            conn.send(("ok", reply))
+            conn.send(("ok", answer(session, command, args)))
         except BaseException as exc:  # noqa: BLE001
             conn.send(("error", describe(exc), traceback.format_exc()))
+
+
+def _load(conn: Channel, spec: RunnerSpec, sessions: dict[str, Session]) -> bool:
+    """Load ``spec`` into ``sessions``; tell the parent ``ready`` (with the load time and facts) or why not."""
+    try:
+        t0 = time.perf_counter()
+        loaded = load_runner(spec)
+        sessions[spec.name] = Session(loaded)
+        conn.send(("ready", time.perf_counter() - t0, dict(loaded.info)))
+        return True
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent as a reason
+        conn.send(("error", describe(exc), traceback.format_exc()))
+        return False
+
+
+def answer(session: Session, command: str, args: list[Any]) -> Any:
+    """One request of a loaded variant's session (every command but stream and quit)."""
+    loaded = session.loaded
+    if command == "run":
+        return session.run(args[0])
+    if command == "set_bench_input":
+        session.set_bench_input(args[0])
+        return None
+    if command == "bench":
+        return session.bench(args[0])
+    if command == "memory":
+        return peak_memory(loaded.device)
+    if command == "info":
+        return dict(loaded.info)
+    if command == "call":  # a named hook of the loaded variant (e.g. a profiler)
+        return loaded.hooks[args[0]](session, *args[1:])
+    raise ValueError(f"unknown command {command!r}")
 
 
 if __name__ == "__main__":

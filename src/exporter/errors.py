@@ -41,11 +41,15 @@ EXIT_CODES: tuple[ExitCode, ...] = (
              verify="verified: every listed file matches `manifest.json`, the recorded run passed, every artifact "
                     "re-ran within its stored bars"),
     ExitCode(EXIT_INTERNAL, "internal error", "internal error: a bug in exporter",
-             "rerun with `EXPORTER_DEBUG=1` and report the traceback"),
+             "rerun with `EXPORTER_DEBUG=1` and report the traceback; also a convert process that crashed outright "
+             "(SIGSEGV, SIGABRT in a native library: the supervising `exporter convert` says so and removes its "
+             "staging folder)"),
     ExitCode(EXIT_USAGE, "usage or input error", "usage or input error",
              "unknown option; unknown recipe; recipe with unknown keys or bad values; checkpoint missing, damaged or "
              "not fitting the architecture; no `config.json` and no `--model`; factory that fails; inputs file with "
-             "missing names or wrong shapes or dtypes; pickle without `--allow-pickle`; for `validate`: no "
+             "missing names or wrong shapes or dtypes; pickle without `--allow-pickle`; `--target` together with "
+             "`--set targets.build`; the checkpoint changed while convert read it (rewritten in place: refused "
+             "before publishing, or SIGBUS told by the supervising process); for `validate`: no "
              "`manifest.json`, an unknown `--target`, the checkpoint missing or changed since convert",
              verify="usage: `OUT_DIR` does not exist or is not a folder"),
     ExitCode(EXIT_NUMERICS, "numerics failure", "numerics failure",
@@ -60,8 +64,11 @@ EXIT_CODES: tuple[ExitCode, ...] = (
              verify="target failure: an artifact no longer loads or runs; or the recorded run had a target failure"),
     ExitCode(EXIT_ENVIRONMENT, "environment or output error", "environment or output error",
              "a CUDA recipe on a machine without a GPU; transformers not installed for a `config.json` model; output "
-             "folder not writable, already holding a run (without `--overwrite`), being written by another run, or "
-             "the disk filled",
+             "folder not writable, already holding a run (without `--overwrite`), holding files that are not a run "
+             "(even with `--overwrite`), being, holding or lying inside the checkpoint's folder, being written by "
+             "another run; not enough disk space for what the weights say the artifacts take (on `--out` or the "
+             "temporary folder), the disk filled, `TMPDIR` missing or not writable; the convert process killed "
+             "(SIGKILL: the out-of-memory killer)",
              verify="environment: an artifact built for CUDA on a machine without a GPU; the `--junit` file cannot be "
                     "written"),
     ExitCode(EXIT_INTEGRITY, "integrity failure (verify)", "",

@@ -292,35 +292,75 @@ class RemoteRunner:
     """
 
     def __init__(self, spec: RunnerSpec, log: Path | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 wait: bool = True, spares: Spares | None = None):
+                 wait: bool = True, spares: Spares | None = None, host: RemoteRunner | None = None):
         """Start the child (or take one of ``spares``) and send it the spec; with ``wait`` (the default) block
         until it has loaded the variant, else the caller goes on while it loads and calls :meth:`ready` when it
-        needs it."""
+        needs it. With ``host`` the variant is loaded into that runner's process instead (another variant of the
+        same artifact: one process per artifact kind); a crash there fails both."""
         self.name = spec.name
         self.spec = spec
         self.timeout_s = timeout_s
         self.info: dict[str, Any] = {}
-        preload = spec.option("ld_preload")
-        taken = spares.take(log) if spares is not None and not preload else None
-        t0 = time.perf_counter()
-        if taken is None:
-            self.process, self.conn = start_child(child_env(preload), log)
-            self.log = log
-        else:
-            self.process, self.conn, self.log = taken
-        self.started = t0
+        self.host = host
+        self.process: subprocess.Popen
+        self.conn: Channel
+        self.log: Path | None
+        self.loads: list[RemoteRunner]
+        self.failed: RunnerFailed | None = None
         self.load_s: float | None = None
-        self.conn.send((list(sys.path), spec))
+        self.started = time.perf_counter()
+        if host is not None:
+            self.process, self.conn, self.log = host.process, host.conn, host.log
+            self.loads = host.loads  # the replies to loads still to come, in the order they were asked for
+            self.loads.append(self)
+            self.conn.send(("add", spec))
+        else:
+            preload = spec.option("ld_preload")
+            taken = spares.take(log) if spares is not None and not preload else None
+            if taken is None:
+                self.process, self.conn = start_child(child_env(preload), log)
+                self.log = log
+            else:
+                self.process, self.conn, self.log = taken
+            self.loads = [self]
+            self.conn.send((list(sys.path), spec))
         if wait:
             self.ready()
 
     def ready(self) -> RemoteRunner:
-        """Wait until the child has loaded the variant (at once if it has); raise RunnerFailed if it could not."""
-        if self.load_s is None:
-            kind, *rest = self._receive("load")
-            self.load_s = rest[0] if kind == "ready" else time.perf_counter() - self.started
-            self.info = dict(rest[1]) if kind == "ready" else {}
+        """Wait until the child has loaded the variant (at once if it has); raise RunnerFailed if it could not.
+        The child answers loads in the order they were asked for: an answer read here may be another variant's
+        of the same process, and is kept for it."""
+        self._take_loads(until=self)
+        if self.failed is not None:
+            raise self.failed
         return self
+
+    def _take_loads(self, until: RemoteRunner | None) -> None:
+        """Read the answers to the loads this process was asked for, in order, up to ``until``'s (None: all of
+        them: a request's answer comes after every load asked for before it)."""
+        while self.loads and (until is None or (until.load_s is None and until.failed is None)):
+            owner = self.loads[0]
+            if owner.host is not None and owner.host.failed is not None:  # the process never got to it
+                self.loads.pop(0)
+                owner.failed = RunnerFailed(f"load: its process could not load {owner.host.name} "
+                                            f"({owner.host.failed.reason})", owner.host.failed.detail)
+                continue
+            try:
+                kind, *rest = owner._receive("load")
+            except RunnerFailed as exc:
+                self.loads.pop(0)
+                owner.failed, owner.load_s = exc, time.perf_counter() - owner.started
+                continue
+            self.loads.pop(0)
+            owner.load_s = rest[0] if kind == "ready" else time.perf_counter() - owner.started
+            owner.info = dict(rest[1]) if kind == "ready" else {}
+
+    def _send(self, message: tuple) -> None:
+        """A request, addressed to this variant where it shares its process with another; the answers to every
+        load asked of the process are read first (they come before this request's)."""
+        self._take_loads(until=None)
+        self.conn.send(message if self.host is None else ("as", self.name, *message))
 
     def _exit(self) -> str:
         try:
@@ -351,7 +391,7 @@ class RemoteRunner:
 
     def _ask(self, what: str, *message):
         try:
-            self.conn.send(message)
+            self._send(message)
         except (BrokenPipeError, ConnectionError, OSError):
             raise RunnerFailed(f"{what}: the child process {self._exit()}") from None
         return self._receive(what)[1]
@@ -363,7 +403,7 @@ class RemoteRunner:
         """Ask the child to run ``sample`` now (it computes while the caller does other work); the events
         (as :meth:`LocalRunner.begin_stream`'s, chunks on the CPU) are read as the caller iterates."""
         try:
-            self.conn.send(("stream", sample, chunk))
+            self._send(("stream", sample, chunk))
         except (BrokenPipeError, ConnectionError, OSError):
             raise RunnerFailed(f"run: the child process {self._exit()}") from None
 
@@ -404,7 +444,10 @@ class RemoteRunner:
         kill_child(self.process)
 
     def close(self) -> None:
-        """Ask the child to quit and wait for it; after SIGINT or SIGTERM, stop it at once."""
+        """Ask the child to quit and wait for it; after SIGINT or SIGTERM, stop it at once. A variant hosted by
+        another runner's process leaves that process to its host."""
+        if self.host is not None:
+            return
         if self.process.poll() is None and interrupts.received() is None:
             try:
                 self.conn.send(("quit",))

@@ -358,10 +358,13 @@ class Validation:
             result.error = f"{result.error}; {found['summary']}"
 
     def start(self, result: VariantResult, spec: RunnerSpec) -> RemoteRunner | None:
-        """Start loading ``spec`` in its own process and return at once; None (and ``result`` failed) when the
+        """Start loading ``spec`` in its own process (or in the process of the variant its spec names as
+        ``host``: one process per artifact kind) and return at once; None (and ``result`` failed) when the
         process cannot even start."""
+        host = next((r for r in self.runners if isinstance(r, RemoteRunner) and r.name == spec.option("host")
+                     and r.host is None and r.process.poll() is None), None)
         try:
-            runner = RemoteRunner(spec, log=self.log_path(result.name), wait=False, spares=self.spares)
+            runner = RemoteRunner(spec, log=self.log_path(result.name), wait=False, spares=self.spares, host=host)
         except RunnerFailed as exc:
             result.fail(FAILED, exc.reason)
             self._detail(result.name, exc.detail)

@@ -100,8 +100,9 @@ def build(ctx: BuildContext) -> list[Built]:
                      f"{weights_apart_above() / 2**30:.0f} GiB) would be loaded again by its own process, and a "
                      "model this size spends its time in kernels, not in launching them")
     elif ctx.recipe.targets.aoti_cuda_graph and ctx.device.startswith("cuda"):
+        # loaded into the aoti variant's process (one process per artifact kind: one CUDA context fewer)
         graphed = RunnerSpec(GRAPHED, "aoti", ctx.device, ctx.dtype, path=str(path), source=ctx.source,
-                             options=(("ld_preload", preload), ("cuda_graph", True)),
+                             options=(("ld_preload", preload), ("cuda_graph", True), ("host", "aoti")),
                              attention_backend=ctx.recipe.runtime.attention_backend)
         built.append(Built("aoti", GRAPHED, graphed, build_s=build_s, static_shapes=True, replays="aoti", notes=[
             f"the aoti package replayed from a CUDA graph ({LOADER}: CudaGraphed), captured at the samples' shapes: "

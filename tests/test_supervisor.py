@@ -1,0 +1,103 @@
+"""``exporter convert`` under its supervising parent: a convert that dies outright (SIGBUS from a checkpoint
+truncated under it, SIGKILL from the out-of-memory killer) is told in one line with a documented exit code, and
+leaves no staging folder; one that ends normally passes its output and exit code through."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from exporter.supervisor import Heard, explain
+
+pytestmark = pytest.mark.slow
+
+QUICK = 'schema_version = 1\n[targets]\nbuild = ["exported_program"]\n[bench]\nwarmup = 0\nrounds = 1\niterations = 1\n'
+
+
+def start(checkpoint, out, cwd):
+    recipe = cwd / "quick.toml"
+    recipe.write_text(QUICK)
+    return subprocess.Popen([sys.executable, "-m", "exporter", "convert", str(checkpoint), "--recipe", str(recipe),
+                             "--out", str(out)], cwd=cwd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+
+
+def wait_for(process, fragment: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = process.stderr.readline()
+        if not line:
+            break
+        if fragment in line:
+            return
+    raise AssertionError(f"never saw {fragment!r}")
+
+
+def the_convert(parent: subprocess.Popen) -> psutil.Process:
+    """The supervised convert: the parent's child running ``-m exporter convert``."""
+    for child in psutil.Process(parent.pid).children():
+        if "convert" in child.cmdline():
+            return child
+    raise AssertionError("no supervised convert process")
+
+
+def leftovers(out):
+    return [p.name for p in out.parent.glob(f".{out.name}.partial-*")]
+
+
+def test_a_convert_killed_by_the_oom_killer_is_told_and_leaves_nothing(tiny_models, tmp_path):
+    out = tmp_path / "out"
+    process = start(tiny_models["gpt2"], out, tmp_path)
+    wait_for(process, "validate numerics")
+    the_convert(process).send_signal(signal.SIGKILL)
+    rest = process.stderr.read()
+    process.wait(timeout=60)
+    assert process.returncode == 5, rest[-2000:]
+    errors = [ln for ln in rest.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "killed (SIGKILL)" in errors[0] and "out-of-memory" in errors[0], rest[-2000:]
+    assert "during validate numerics" in errors[0] and "Fix:" in errors[0]
+    assert not out.exists() and leftovers(out) == []
+
+
+def test_a_checkpoint_truncated_under_the_convert_is_told(tiny_models, tmp_path):
+    """A sync writing over the memory-mapped weights: the convert dies with SIGBUS; the parent says why."""
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(tiny_models["gpt2"], checkpoint)
+    out = tmp_path / "out"
+    process = start(checkpoint, out, tmp_path)
+    wait_for(process, "build exported_program")
+    (checkpoint / "model.safetensors").write_bytes(b"")  # truncated in place
+    rest = process.stderr.read()
+    process.wait(timeout=120)
+    errors = [ln for ln in rest.splitlines() if ln.startswith("error:")]
+    assert process.returncode == 2, rest[-2000:]
+    assert len(errors) == 1 and "the checkpoint changed while it was being read" in errors[0], rest[-2000:]
+    assert not out.exists() and leftovers(out) == []
+
+
+def test_the_next_run_removes_what_a_dead_run_left(tiny_models, tmp_path):
+    """A staging folder of a run killed before anyone could clean (the parent killed too) is removed by the next
+    run into that folder, under its lock."""
+    out = tmp_path / "out"
+    stale = tmp_path / ".out.partial-deadbeef"
+    stale.mkdir()
+    (stale / "model.pt2").write_bytes(b"half")
+    process = start(tiny_models["gpt2"], out, tmp_path)
+    process.communicate(timeout=600)
+    assert process.returncode == 0
+    assert not stale.exists() and (out / "manifest.json").is_file()
+
+
+def test_explain_names_what_happened(tmp_path):
+    changed = tmp_path / "model.safetensors"
+    changed.write_bytes(b"12345678")
+    heard = Heard(stage="reference", checkpoint={str(changed): (1, 1)})
+    message, code = explain(-signal.SIGBUS, heard)
+    assert code == 2 and "the checkpoint changed while it was being read" in message and "during reference" in message
+    message, code = explain(-signal.SIGSEGV, Heard(stage="build aoti"))
+    assert code == 1 and "crashed with SIGSEGV during build aoti" in message
