@@ -81,7 +81,7 @@ def space_needs(recipe: Recipe, model: Any, staging: Path, decoder: bool = False
     if recipe.targets.aoti_cuda_graph and recipe.runtime.device != "cpu" and not decoder and \
             any(t.name == "aoti" for t in wanted):
         temp += weights  # the CUDA-graph variant loads (extracts) the package once more
-    return [Need(staging, out, "the artifacts", "free disk space there, or choose another --out"),
+    return [Need(staging.parent, out, "the artifacts", "free disk space there, or choose another --out"),
             Need(Path(tempfile.gettempdir()), temp, "compiler and AOTInductor temporary files",
                  "free disk space there, or point TMPDIR at a larger disk")]
 
