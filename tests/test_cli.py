@@ -57,6 +57,17 @@ def test_the_recorded_command_always_names_the_recipe():
                                   "--target", "aoti"]
 
 
+def test_progress_lines_never_wrap_off_a_terminal(capsys):
+    """A CI log is not a terminal: a long stage line stays one line (rich would fold it at 80 columns)."""
+    from exporter.progress import Progress
+
+    progress = Progress()
+    with progress.stage("load", "/" + "very-long-folder-name/" * 10 + "model.safetensors"):
+        pass
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and all("model.safetensors" in line and len(line) > 200 for line in lines), lines
+
+
 def test_the_package_shows_its_verbs():
     import exporter
 

@@ -7,19 +7,53 @@ import pytest
 from exporter.errors import OutputError
 from exporter.outdir import OutputFolder, write_atomic
 
+MANIFEST = '{"schema_version": 1, "files": []}'
+
 
 def test_publish_replaces_only_with_overwrite(tmp_path):
     final = tmp_path / "out"
     with OutputFolder(final) as folder:
-        write_atomic(folder.staging / "a.txt", "one")
+        write_atomic(folder.staged / "a.txt", "one")
+        write_atomic(folder.staged / "manifest.json", MANIFEST)
         folder.publish()
     assert (final / "a.txt").read_text() == "one"
     with pytest.raises(OutputError, match="already holds a run.*--overwrite"):
         OutputFolder(final).open()
     with OutputFolder(final, overwrite=True) as folder:
-        write_atomic(folder.staging / "b.txt", "two")
+        write_atomic(folder.staged / "b.txt", "two")
+        write_atomic(folder.staged / "manifest.json", MANIFEST)
         folder.publish()
-    assert sorted(p.name for p in final.iterdir()) == ["b.txt"]  # never a mix of two runs
+    assert sorted(p.name for p in final.iterdir()) == ["b.txt", "manifest.json"]  # never a mix of two runs
+
+
+def test_overwrite_never_replaces_what_is_not_a_run(tmp_path):
+    """A home folder, a project folder, a checkpoint: --overwrite only replaces a folder a run published."""
+    final = tmp_path / "project"
+    final.mkdir()
+    (final / "notes.txt").write_text("mine")
+    with pytest.raises(OutputError, match="not an exporter run"):
+        OutputFolder(final, overwrite=True).open()
+    assert (final / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("where, words", [("ckpt", "is the checkpoint"), (".", "holds the checkpoint"),
+                                          ("ckpt/exported", "lies inside the checkpoint folder")])
+def test_an_output_folder_keeps_clear_of_a_checkpoint_folder(tmp_path, where, words):
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "model.safetensors").write_bytes(b"weights")
+    with pytest.raises(OutputError, match=words):
+        OutputFolder(tmp_path / where, overwrite=True, keep_clear=checkpoint).open()
+    assert (checkpoint / "model.safetensors").read_bytes() == b"weights"
+
+
+def test_an_output_folder_beside_a_checkpoint_file_is_fine_one_holding_it_is_not(tmp_path):
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"weights")
+    with OutputFolder(tmp_path / "out", keep_clear=weights) as folder:
+        assert folder.staged.is_dir()
+    with pytest.raises(OutputError, match="holds the checkpoint"):
+        OutputFolder(tmp_path, overwrite=True, keep_clear=weights).open()
 
 
 def test_a_failed_run_leaves_nothing(tmp_path):

@@ -80,6 +80,26 @@ def test_a_checkpoint_truncated_under_the_convert_is_told(tiny_models, tmp_path)
     assert not out.exists() and leftovers(out) == []
 
 
+def test_a_checkpoint_overwritten_in_place_is_refused_before_publishing(tiny_models, tmp_path):
+    """Bytes rewritten without a size change (no SIGBUS): the reference and the artifacts may come from different
+    weights, so nothing is published."""
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(tiny_models["gpt2"], checkpoint)
+    out = tmp_path / "out"
+    process = start(checkpoint, out, tmp_path)
+    wait_for(process, "validate numerics")
+    weights = checkpoint / "model.safetensors"
+    with open(weights, "r+b") as handle:
+        handle.seek(weights.stat().st_size - 64)
+        handle.write(b"\0" * 64)
+    rest = process.stderr.read()
+    process.wait(timeout=300)
+    errors = [ln for ln in rest.splitlines() if ln.startswith("error:")]
+    assert process.returncode == 2 and len(errors) == 1, rest[-2000:]
+    assert "the checkpoint changed while it was being read" in errors[0] and "nothing was published" in errors[0]
+    assert not out.exists() and leftovers(out) == []
+
+
 def test_the_next_run_removes_what_a_dead_run_left(tiny_models, tmp_path):
     """A staging folder of a run killed before anyone could clean (the parent killed too) is removed by the next
     run into that folder, under its lock."""

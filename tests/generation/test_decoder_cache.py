@@ -32,3 +32,14 @@ def test_left_padding_gives_the_unpadded_rows_logits(tiny_models):
     with attention_implementation(model, "eager"):
         ref_tokens, _ = reference_generation(model, Prompt(ids, mask), 4, "cpu", True)
     assert torch.equal(ref_tokens, padded)
+
+
+def test_eager_generate_is_timed_within_its_budget(tiny_models):
+    """The eager baseline honours bench.max_seconds: a slow model gets fewer rounds (one at least)."""
+    from exporter.checkpoint import load_model
+    from exporter.generation.bench import time_eager_generate
+
+    model = load_model(tiny_models["llama"]).model.eval()
+    prompt = Prompt(torch.ones(1, 6, dtype=torch.long), torch.ones(1, 6, dtype=torch.long))
+    assert time_eager_generate(model, prompt, 4, "cpu", rounds=3, max_seconds=1e-6)["rounds"] == 1
+    assert time_eager_generate(model, prompt, 4, "cpu", rounds=3)["rounds"] == 3
