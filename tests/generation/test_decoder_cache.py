@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-import exporter
 from exporter.generation.cache import DecoderStep, probe_layout
 from exporter.generation.driver import Prompt, Steps, generate
 from exporter.generation.reference import reference_generation
@@ -13,7 +12,9 @@ from exporter.modelio import attention_implementation
 
 def test_left_padding_gives_the_unpadded_rows_logits(tiny_models):
     """A left-padded row (its padded queries see nothing) generates what its unpadded prompt does, finite."""
-    loaded = exporter.checkpoint.load_model(tiny_models["llama"])
+    from exporter.checkpoint import load_model
+
+    loaded = load_model(tiny_models["llama"])
     model = loaded.model.eval()
     with attention_implementation(model, "sdpa"):
         step = DecoderStep(model, True)
