@@ -15,8 +15,7 @@ from . import interrupts
 from . import report as report_mod
 from .checkpoint import load_model
 from .checkpoint.files import Checkpoint
-from .disk import folder_of
-from .environment import check_machine
+from .environment import check_machine, folder_of
 from .errors import CheckpointError, ExporterError
 from .inputs import plan_inputs
 from .measure.memory import TreeMemory, peak_rss_bytes

@@ -158,11 +158,11 @@ def serve(conn: Channel, spec: RunnerSpec) -> None:
         if command == "add":
             _load(conn, args[0], sessions)
             continue
-        session = first
-        if command == "as":
-            name, command, *args = args
-            session = sessions[name]
         try:
+            session = first
+            if command == "as":  # a request for another variant this process loaded
+                name, command, *args = args
+                session = sessions[name]
             if command == "stream":  # one sample, its outputs sent in chunks: nothing large is pickled
                 stream_outputs(conn, session, args[0], args[1])
                 continue

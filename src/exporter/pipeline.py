@@ -20,8 +20,8 @@ import torch
 from . import report as report_mod
 from .checkpoint import LoadedModel, check_finite, load_model
 from .checkpoint.loader import listing
-from .disk import check_space, space_needs
 from .dtypes import torch_dtype
+from .environment import check_space, space_needs
 from .errors import CheckpointError
 from .inputs import plan_inputs
 from .measure.bench import benchmark, slower_than_source

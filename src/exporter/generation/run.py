@@ -25,8 +25,8 @@ from safetensors.torch import save_file
 from .. import targets
 from ..checkpoint import LoadedModel, load_model
 from ..checkpoint.files import Checkpoint
-from ..disk import check_space, space_needs
 from ..dtypes import torch_dtype
+from ..environment import check_space, space_needs
 from ..errors import ArchitectureError, describe
 from ..modelio import attention_implementation
 from ..numerics.tolerance import relative_floor

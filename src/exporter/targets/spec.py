@@ -130,7 +130,7 @@ class Target:
     decoder_note: str = "not available for text-generation"  # why there are none, where ``decoder`` is empty
     preload: bool = False  # its artifacts load with the compiler's libstdc++ preloaded where needed (toolchain)
     # copies of the weights it writes: into the output folder, into the temporary folder (a compile's cache, a
-    # load's extraction), and into the output folder as a decoder's programs (disk.check_space reads them)
+    # load's extraction), and into the output folder as a decoder's programs (environment.check_space reads them)
     out_copies: float = 0.0
     temp_copies: float = 0.0
     decoder_copies: float = 0.0

@@ -393,7 +393,7 @@ def _(tmp, a):
 def _(tmp, a):
     return Case("unknown --target", "recipe and inputs",
                 ["convert", str(a.gpt2), "--target", "trt", "--out", str(tmp / "out")], 2,
-                "'trt' is not one of 'exported_program', 'aoti', 'onnx', 'compile', 'tensorrt'")
+                "'trt' is not a target (did you mean 'tensorrt'?)")
 
 
 @case("recipe and inputs", "CUDA recipe on a machine without a GPU")
