@@ -141,11 +141,9 @@ def space_needs(recipe: Recipe, model: Any, staging: Path, decoder: bool = False
     weights = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
     itemsize = BY_NAME[recipe.runtime.dtype].itemsize
     wanted = [t for t in TARGETS if t.name in recipe.targets.build and t.unavailable() is None]
-    out = sum(t.space(weights, itemsize, decoder)[0] for t in wanted)
-    temp = sum(t.space(weights, itemsize, decoder)[1] for t in wanted)
-    if recipe.targets.aoti_cuda_graph and recipe.runtime.device != "cpu" and not decoder and \
-            any(t.name == "aoti" for t in wanted):
-        temp += weights  # the CUDA-graph variant loads (extracts) the package once more
+    graph = recipe.targets.aoti_cuda_graph and recipe.runtime.device != "cpu"
+    spaces = [t.space(weights, itemsize, decoder, graph) for t in wanted]
+    out, temp = sum(s[0] for s in spaces), sum(s[1] for s in spaces)
     return [Need(staging.parent, out, "the artifacts", "free disk space there, or choose another --out"),
             Need(Path(tempfile.gettempdir()), temp, "compiler and AOTInductor temporary files",
                  "free disk space there, or point TMPDIR at a larger disk")]

@@ -31,7 +31,7 @@ SUPERVISED = ("convert",)  # the commands that write an output folder
 
 
 def report(kind: str, *values: object) -> None:
-    """Tell the supervising parent (if any) one fact: ``staging PATH``, ``published PATH``, ``stage NAME``,
+    """Tell the supervising parent (if any) one fact: ``staging PATH``, ``stage NAME``,
     ``checkpoint PATH SIZE MTIME_NS``."""
     fd = os.environ.get(ENV)
     if not fd:
@@ -54,8 +54,7 @@ def snapshot(path: Path) -> tuple[int, int] | None:
 class Heard:
     """What the child said before it ended."""
 
-    staging: list[str] = field(default_factory=list)
-    published: list[str] = field(default_factory=list)
+    staging: list[str] = field(default_factory=list)  # gone once published (renamed into place)
     stage: str | None = None
     checkpoint: dict[str, tuple[int, int]] = field(default_factory=dict)
 
@@ -66,8 +65,6 @@ class Heard:
             return
         if kind == "staging" and values:
             self.staging.append(values[0])
-        elif kind == "published" and values:
-            self.published.append(values[0])
         elif kind == "stage" and values:
             self.stage = values[0]
         elif kind == "checkpoint" and len(values) == 3:
@@ -141,8 +138,7 @@ def supervise(argv: list[str]) -> int:
     if code >= 0:
         return code
     for staging in heard.staging:
-        if staging not in heard.published:
-            shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
     message, exit_code = explain(code, heard)
     print(f"error: {message}.", file=sys.stderr)
     return exit_code

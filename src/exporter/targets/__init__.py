@@ -18,7 +18,7 @@ TARGETS: tuple[Target, ...] = (
            needs_program=True, decoder=("prefill.pt2", "decode.pt2"), out_copies=1, decoder_copies=2),
     Target("aoti", "exporter.targets.aoti", "AOTInductor package (.pt2)", needs_program=True,
            decoder=("prefill.aoti.pt2", "decode.aoti.pt2"), preload=True, out_copies=1, temp_copies=2,
-           decoder_copies=1),
+           graph_temp_copies=1, decoder_copies=1),
     Target("onnx", "exporter.targets.onnx", "ONNX (dynamo exporter) run with onnxruntime",
            requires=("onnx", "onnxruntime", "onnxscript"), needs_program=True, decoder=("prefill.onnx", "decode.onnx"),
            out_copies=1, decoder_copies=1, float32_copies=True),

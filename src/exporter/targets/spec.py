@@ -135,13 +135,16 @@ class Target:
     temp_copies: float = 0.0
     decoder_copies: float = 0.0
     float32_copies: bool = False  # written in float32 where its runtime has no kernels for the recipe's dtype
+    graph_temp_copies: float = 0.0  # more, when a CUDA-graph variant loads (extracts) its artifact once more
 
-    def space(self, weight_bytes: int, dtype_bytes: int, decoder: bool = False) -> tuple[int, int]:
+    def space(self, weight_bytes: int, dtype_bytes: int, decoder: bool = False,
+              cuda_graph: bool = False) -> tuple[int, int]:
         """Bytes it writes into the output folder and into the temporary folder, for ``weight_bytes`` of weights
-        stored ``dtype_bytes`` to a value."""
+        stored ``dtype_bytes`` to a value (``cuda_graph``: the recipe also replays it from a CUDA graph)."""
         widen = 4 / dtype_bytes if self.float32_copies and dtype_bytes < 4 else 1.0
         out = (self.decoder_copies if decoder else self.out_copies) * widen
-        return int(weight_bytes * out), int(weight_bytes * (0 if decoder else self.temp_copies))
+        temp = 0.0 if decoder else self.temp_copies + (self.graph_temp_copies if cuda_graph else 0.0)
+        return int(weight_bytes * out), int(weight_bytes * temp)
 
     def implementation(self) -> Any:
         return importlib.import_module(self.module)

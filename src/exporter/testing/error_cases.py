@@ -498,27 +498,6 @@ def _(tmp, a):
                 "another exporter run is writing", cleanup=release)
 
 
-@case("output and faults", "the disk fills up mid-write")
-def _(tmp, a):
-    """A 64 KiB tmpfs as the output's parent: the inputs fit, the float64 reference outputs (100 KiB) do not."""
-    mount = tmp / "small-disk"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"cannot mount a small tmpfs here ({done.stderr.decode().strip()}): needs root")
-    argv = convert(a.gpt2, tmp)
-    argv[argv.index("--out") + 1] = str(mount / "out")
-
-    def unmount():
-        for _ in range(5):
-            if subprocess.run(["umount", str(mount)], capture_output=True).returncode == 0:
-                return
-            time.sleep(0.5)
-
-    return Case("the disk fills up mid-write", "output and faults", argv, 5, "the disk filled up while writing",
-                out=mount / "out", cleanup=unmount)
-
-
 def _small_disk(tmp: Path, name: str, size: str) -> tuple[Path, Callable[[], None]]:
     mount = tmp / name
     mount.mkdir()
@@ -533,6 +512,16 @@ def _small_disk(tmp: Path, name: str, size: str) -> tuple[Path, Callable[[], Non
             time.sleep(0.5)
 
     return mount, unmount
+
+
+@case("output and faults", "the disk fills up mid-write")
+def _(tmp, a):
+    """A 64 KiB tmpfs as the output's parent: the inputs fit, the float64 reference outputs (100 KiB) do not."""
+    mount, unmount = _small_disk(tmp, "small-disk", "64k")
+    argv = convert(a.gpt2, tmp)
+    argv[argv.index("--out") + 1] = str(mount / "out")
+    return Case("the disk fills up mid-write", "output and faults", argv, 5, "the disk filled up while writing",
+                out=mount / "out", cleanup=unmount)
 
 
 @case("output and faults", "not enough space for the artifacts")
