@@ -121,3 +121,41 @@ def test_explain_names_what_happened(tmp_path):
     assert code == 2 and "the checkpoint changed while it was being read" in message and "during reference" in message
     message, code = explain(-signal.SIGSEGV, Heard(stage="build aoti"))
     assert code == 1 and "crashed with SIGSEGV during build aoti" in message
+
+
+def test_the_parent_hears_a_stage_before_its_line_shows(monkeypatch):
+    """Whoever acts on a stage's line (a kill at 'validate numerics') finds the parent already told: the stage is
+    written to the pipe before the line is printed, and the enclosing stage is told again when an inner one ends."""
+    import os
+
+    from exporter.progress import Progress
+    from exporter.supervisor import ENV
+
+    read_fd, write_fd = os.pipe()
+    monkeypatch.setenv(ENV, str(write_fd))
+    heard_at_print: list[str] = []
+
+    class Console:
+        is_terminal = False
+
+        def print(self, text):
+            os.set_blocking(read_fd, False)
+            try:
+                chunk = os.read(read_fd, 65536).decode()
+            except BlockingIOError:
+                chunk = ""
+            for line in chunk.splitlines():
+                heard.hear(line)
+            heard_at_print.append(f"{text} | {heard.stage}")
+
+    heard = Heard()
+    progress = Progress(console=Console())
+    with progress.stage("validate numerics"):
+        with progress.stage("shape grid"):
+            pass
+        progress.info("after the grid")
+    os.close(write_fd)
+    os.close(read_fd)
+    assert heard_at_print[0] == "validate numerics ... | validate numerics"
+    assert heard_at_print[1] == "shape grid ... | shape grid"
+    assert heard_at_print[3] == "  after the grid | validate numerics", heard_at_print

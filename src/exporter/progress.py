@@ -35,10 +35,10 @@ class Progress:
         label = f"{name}{': ' + detail if detail else ''}"
         status = (self.console.status(f"{label} ...") if self.enabled and self.console.is_terminal
                   else contextlib.nullcontext())
+        outer, self.current = self.current, name
+        report("stage", name)  # told before it is shown: whoever acts on the line sees the parent know it
         if self.enabled and not self.console.is_terminal:
             self.console.print(f"{label} ...")
-        outer, self.current = self.current, name
-        report("stage", name)
         try:
             with status:
                 yield
@@ -50,6 +50,8 @@ class Progress:
             raise
         finally:
             self.current = outer
+            if outer is not None:
+                report("stage", outer)
         elapsed = time.perf_counter() - t0
         self.timings[name] = self.timings.get(name, 0.0) + elapsed
         if self.enabled:
