@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .errors import ExporterError
 
-__all__ = ["convert", "inspect", "verify", "validate_folder", "load_recipe", "ExporterError"]
+__all__ = ["convert", "inspect", "check_artifact", "verify", "validate_folder", "load_recipe", "ExporterError"]
 
 
 def __dir__() -> list[str]:
@@ -23,6 +23,10 @@ def __getattr__(name: str):  # keep `import exporter` light: torch loads on firs
         from . import api
 
         return getattr(api, name)
+    if name == "check_artifact":  # exporter check (the name ``check`` is its package's)
+        from .check import check
+
+        return check
     if name == "verify":
         from .verify import verify
 

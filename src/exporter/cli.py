@@ -337,6 +337,69 @@ def generate(out_dir, target, input_ids, max_new_tokens, as_json):
             click.echo(",".join(str(t) for t in row))
 
 
+CHECK_EXAMPLES = """
+\b
+Examples:
+  optimum-cli export onnx --model ./my-model --task feature-extraction onnx-out/
+  exporter check onnx-out/ --against ./my-model --junit reports/exporter-check.xml
+  exporter check model.pt2 --against ./my-model --recipe h100-bf16 --out build/check
+  exporter check build/my-model/cpu-fp32 --against ./my-model
+
+\b
+""" + exit_codes_help("convert")
+
+
+@cli.command(epilog=CHECK_EXAMPLES)
+@click.argument("artifact", type=click.Path(path_type=str))
+@click.option("--against", "checkpoint", required=True, type=click.Path(path_type=str),
+              help="The checkpoint the artifact was made from (what convert accepts).")
+@click.option("--recipe", "-r", default="cpu-fp32", show_default=True, help="Built-in recipe name or a .toml path.")
+@click.option("--out", "-o", type=click.Path(path_type=str), default=None,
+              help="Output folder [default: artifacts/<artifact>/check-<recipe>].")
+@click.option("--model", "-m", "factory", default=None, metavar="MODULE:FUNCTION",
+              help="Factory that builds the nn.Module (gets config.json as a dict when present).")
+@click.option("--dim", "dims", multiple=True, metavar="NAME=SIZE[:MIN:MAX]",
+              help="Declare an input dim (dynamic when MIN < MAX); repeatable.")
+@click.option("--set", "settings", multiple=True, metavar="SECTION.KEY=VALUE",
+              help="Override one recipe key (repeatable), e.g. numerics.atol=1e-6.")
+@click.option("--junit", type=click.Path(path_type=str), default=None,
+              help="Also write a JUnit XML report: one case per artifact and check.")
+@click.option("--allow-pickle", is_flag=True, help="Load a pickle checkpoint with torch.load(weights_only=True).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress output.")
+@click.option("--json", "as_json", is_flag=True, help="Print report.json to stdout.")
+def check(artifact, checkpoint, recipe, out, factory, dims, settings, junit, allow_pickle, overwrite, quiet,
+          as_json):
+    """Judge ARTIFACT (an ONNX file or Optimum export folder, a torch.export .pt2, an AOTInductor package, a
+    transformers exporters folder, an exporter output folder) against the checkpoint it came from, with
+    convert's gate: float64 reference, tolerance rule, shape grid, first divergent module, timing."""
+    checked(checkpoint, recipe, factory, dims, (), True, (), settings, None)
+    if not Path(artifact).exists():
+        from .errors import UsageError
+
+        raise UsageError(f"artifact {artifact} does not exist", "check the path")
+    from . import junit as junit_mod
+    from .check import check as run_check
+
+    if junit is not None:
+        junit_mod.check_writable(junit)
+    result = run_check(artifact, checkpoint, recipe, out, model=factory, dims=dims, settings=settings,
+                       allow_pickle=allow_pickle, overwrite=overwrite, progress=Progress(enabled=not quiet),
+                       command=typed_command(click.get_current_context()))
+    if junit is not None:
+        from .check.cases import junit_cases
+
+        junit_mod.write(junit, "exporter check", junit_cases(result.report), result.report["timings_s"]["total"])
+    if as_json:
+        click.echo(json.dumps(result.report, indent=2, default=str))
+    else:
+        show_markdown((result.out / "report.md").read_text(encoding="utf-8"))
+    for line in result.problems:
+        click.echo(f"error: {line}", err=True)
+    click.echo(f"output: {result.out}", err=True)
+    sys.exit(result.exit_code)
+
+
 @cli.command(epilog=VALIDATE_EXAMPLES)
 @click.argument("out_dir", type=click.Path(path_type=str))
 @click.option("--locate", is_flag=True, help="Find the first divergent module of each failing candidate.")

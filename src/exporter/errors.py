@@ -50,7 +50,9 @@ EXIT_CODES: tuple[ExitCode, ...] = (
              "missing names or wrong shapes or dtypes; pickle without `--allow-pickle`; `--target` together with "
              "`--set targets.build`; the checkpoint changed while convert read it (rewritten in place: refused "
              "before publishing, or SIGBUS told by the supervising process); for `validate`: no "
-             "`manifest.json`, an unknown `--target`, the checkpoint missing or changed since convert",
+             "`manifest.json`, an unknown `--target`, the checkpoint missing or changed since convert; for `check`: "
+             "an artifact that is missing, not ONNX or `.pt2`, empty, or of another model (an input, size or "
+             "output the checkpoint's model does not have)",
              verify="usage: `OUT_DIR` does not exist or is not a folder"),
     ExitCode(EXIT_NUMERICS, "numerics failure", "numerics failure",
              "a candidate's error exceeded `k × eager error + atol` on some output; `report.json` names the target, "

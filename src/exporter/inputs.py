@@ -158,6 +158,14 @@ def generate_sample(specs: tuple[TensorSpec, ...], sizes: dict[str, int], seed: 
     ids = sample.get("input_ids")
     if mask is not None and ids is not None and pad_token_id is not None and ids.shape == mask.shape:
         sample["input_ids"] = torch.where(mask.bool(), ids, torch.full_like(ids, int(pad_token_id)))
+    positions = sample.get("position_ids")
+    if positions is not None and positions.dim() == 2 and not positions.is_floating_point():
+        # the model's own default: 0, 1, ... along the real tokens (after the padding mask's cumulative sum)
+        if mask is not None and mask.shape == positions.shape:
+            counted = mask.to(torch.int64).cumsum(-1) - 1
+            sample["position_ids"] = counted.clamp(min=0).to(positions.dtype)
+        else:
+            sample["position_ids"] = torch.arange(positions.shape[1], dtype=positions.dtype).expand_as(positions)
     return sample
 
 

@@ -51,6 +51,41 @@ def flatten_outputs(result: Any) -> list[tuple[str, torch.Tensor]]:
                       "return a tensor, a tuple of tensors or a dict of tensors from forward()")
 
 
+def import_spec_types(modules: tuple[str, ...] | None) -> None:
+    """Import the modules whose pytree types a foreign program's call spec names, before it is deserialized."""
+    import importlib  # noqa: PLC0415
+
+    for module in modules or ():
+        with contextlib.suppress(ImportError):
+            importlib.import_module(module)
+
+
+def named_call(fn: Any, keywords: tuple[str, ...] | None, outputs: tuple[str, ...] | None):
+    """``fn`` (a program or package another tool made) behind the positional convention: called with its inputs by
+    name when ``keywords`` are given, its outputs picked by name when ``outputs`` are (else all, in order)."""
+
+    def call(args: list[torch.Tensor]) -> list[torch.Tensor]:
+        result = fn(**dict(zip(keywords, args))) if keywords else fn(*args)
+        named = flatten_outputs(result)
+        if not outputs:
+            return [t for _, t in named]
+        by_name = dict(named)
+        if all(o in by_name for o in outputs):
+            return [by_name[o] for o in outputs]
+        return [t for _, t in named][:len(outputs)]  # positional outputs (a tuple), mapped in order
+
+    return call
+
+
+def step_positions(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the prompt's position ids, the next step's attention mask, the next token's position id): positions
+    count real tokens (padding gets 1, as transformers' own generation does); the next token comes after them."""
+    mask = mask.to(torch.int64)
+    prompt = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    following = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+    return prompt, following, mask.sum(-1, keepdim=True)
+
+
 @contextlib.contextmanager
 def attention_implementation(model: nn.Module, name: str | None):
     """Temporarily switch a transformers model's attention implementation (restored on exit)."""

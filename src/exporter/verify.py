@@ -120,6 +120,8 @@ def artifact_spec(entry: dict[str, Any], out: Path, report: dict[str, Any]):
         options = (("provider", (entry.get("graph") or {}).get("provider") or "CPUExecutionProvider"),)
     elif entry["target"] == "aoti":
         options = (("ld_preload", aoti_preload()),)  # this machine's compiler libstdc++, as convert does
+    load = (entry.get("info") or {}).get("load") or {}  # an artifact exporter check judged: loaded by name
+    options += tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in load.items())
     return RunnerSpec(entry["name"], entry["target"], entry["device"], entry["dtype"], path=str(out / entry["path"]),
                       options=options, attention_backend=(report.get("recipe") or {}).get("attention_backend", "auto"))
 

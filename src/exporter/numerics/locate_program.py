@@ -31,41 +31,62 @@ from .reference import cast_in_place
 from .tolerance import check_output
 
 
+def recorder(store: dict, strip: int):
+    """A forward hook that keeps each call's floating inputs and outputs under ``(path[strip:], index)``."""
+    counts: dict[str, int] = {}
+
+    def post(path, module, args, kwargs, output):
+        index = counts.get(path, 0)
+        counts[path] = index + 1
+        store[(path[strip:], index)] = ([t.detach().cpu() for t in floats((args, kwargs))],
+                                        [t.detach().cpu() for t in floats(output)])
+    return post
+
+
+def baseline_store(original: IOModule, calls: list[Call], args: list[torch.Tensor], device: str,
+                   dtype: torch.dtype, backend: str = "auto") -> dict:
+    """Every recorded module's inputs and outputs in the eager model run in ``dtype`` (its own error there)."""
+    baseline: dict[tuple[str, int], tuple[list, list]] = {}
+    with torch.inference_mode(), cast_in_place(original, dtype, device), run_context(original, backend, device), \
+            hooks_on(original.model, {c.path for c in calls}, None, recorder(baseline, 0)):
+        original(*args)
+    return baseline
+
+
 def in_program(program, calls: list[Call], original: IOModule, sample: list[torch.Tensor], device: str,
-               dtype: torch.dtype, k: float, atol, backend: str = "auto", prefix: str = "model.") -> dict:
+               dtype: torch.dtype, k: float, atol, backend: str = "auto", prefix: str = "model.",
+               keywords: tuple[str, ...] | None = None) -> dict:
     """Run ``program`` unflattened, end to end, and compare each submodule's output with the reference's.
 
     ``prefix`` maps a path inside the model to the program's (it was exported from the IOModule, whose
-    model is its ``model`` attribute). The bar of each module is the eager model's own error there.
+    model is its ``model`` attribute; a program another tool exported from the model itself has none).
+    ``keywords``: the program takes its inputs by these names. The bar of each module is the eager model's
+    own error there.
+    """
+    unflat = torch.export.unflatten(program)
+    wanted = {prefix + c.path for c in calls}
+    graph: dict[tuple[str, int], tuple[list, list]] = {}
+    args = [(t.to(dtype) if t.is_floating_point() else t).to(device) for t in sample]
+    with torch.inference_mode():
+        with hooks_on(unflat, wanted, None, recorder(graph, len(prefix))), backend_context(backend, device):
+            if keywords:
+                unflat(**dict(zip(keywords, args)))
+            else:
+                unflat(*args)
+    return first_divergent(calls, graph, baseline_store(original, calls, args, device, dtype, backend), k, atol)
+
+
+def first_divergent(calls: list[Call], graph: dict, baseline: dict, k: float, atol) -> dict:
+    """The first module, in the order the calls finished, whose output in the candidate's run (``graph``) misses
+    the bar set by the eager model's own error there (``baseline``); stores map ``(path, index)`` to
+    ``(floating inputs, floating outputs)``.
 
     End to end, an error travels downstream: a module whose inputs already diverged (beyond the eager
     model's own error there) did not start the divergence. When the first failing module is such a one,
     the divergence came from its enclosing module's own code (an attention's ``o_proj`` gets a wrong
     attention result from its parent's body), so the innermost enclosing module whose inputs are clean
-    is reported.
+    is reported. A candidate that exposes no module inputs (an ONNX graph's values) is taken at its word.
     """
-    unflat = torch.export.unflatten(program)
-    wanted = {prefix + c.path for c in calls}
-    graph: dict[tuple[str, int], tuple[list, list]] = {}
-    baseline: dict[tuple[str, int], tuple[list, list]] = {}
-
-    def recorder(store: dict, strip: int):
-        counts: dict[str, int] = {}
-
-        def post(path, module, args, kwargs, output):
-            index = counts.get(path, 0)
-            counts[path] = index + 1
-            store[(path[strip:], index)] = ([t.detach().cpu() for t in floats((args, kwargs))],
-                                            [t.detach().cpu() for t in floats(output)])
-        return post
-
-    args = [(t.to(dtype) if t.is_floating_point() else t).to(device) for t in sample]
-    with torch.inference_mode():
-        with hooks_on(unflat, wanted, None, recorder(graph, len(prefix))), backend_context(backend, device):
-            unflat(*args)
-        with cast_in_place(original, dtype, device), run_context(original, backend, device), \
-                hooks_on(original.model, {c.path for c in calls}, None, recorder(baseline, 0)):
-            original(*args)
 
     def output_verdict(call: Call) -> dict[str, Any] | None:
         got, base, ref = graph.get((call.path, call.index)), baseline.get((call.path, call.index)), floats(call.output)
@@ -118,4 +139,4 @@ def in_program(program, calls: list[Call], original: IOModule, sample: list[torc
     return {"modules_recorded": len(calls), "modules_checked": checked, "first_divergent": None}
 
 
-__all__ = ["in_program"]
+__all__ = ["in_program", "first_divergent", "baseline_store", "recorder"]

@@ -141,3 +141,38 @@ def assemble(*, recipe, checkpoint, loaded, plan, signature, reference, audit, r
         "artifacts": [_variant_dict(r) for r in results[1:]],
         **run_section(recipe, timings, total_s),
     }
+
+
+def assemble_check(*, recipe, checkpoint, loaded, plan, signature, reference, results, eager_bench, warnings,
+                   timings, total_s, grid, checked, source) -> dict[str, Any]:
+    """``exporter check``'s report: the forward report's sections, with what was checked (``check``) in place of
+    the attention audit and the rewritten model (nothing is built or rewritten)."""
+    dynamic = {name: {str(axis): {"dim": d.name, "min": d.min, "max": d.max} for axis, d in axes.items()}
+               for name, axes in plan.dynamic_axes().items()}
+    return {
+        **verdict_section([(r.name, r.status, r.error) for r in results], False, warnings, task="check"),
+        "check": {"artifact": public_path(source), "artifacts": checked},
+        "model": model_section(checkpoint, loaded),
+        "recipe": recipe_section(recipe),
+        "inputs": {
+            "source": plan.source, "seed": plan.seed, "seeds": plan.seeds, "samples": len(plan.samples),
+            "names": list(signature.inputs),
+            "shapes": {n: list(t.shape) for n, t in plan.samples[0].items()},
+            "dtypes": {n: str(t.dtype).replace("torch.", "") for n, t in plan.samples[0].items()},
+            "dynamic": dynamic, "notes": plan.notes, "grid": grid.to_dict() if grid is not None else None,
+        },
+        "outputs": list(signature.outputs),
+        "reference": {"device": reference.device, "dtype": reference.dtype, "flops": reference.flops,
+                      "note": reference.note, "model": "the checkpoint's model (eager attention)"},
+        "tolerance": {"rule": RULE, "k": recipe.numerics.k,
+                      "k_default": ", ".join(f"{k:g} for {dtype}" for dtype, k in K_DEFAULTS.items()),
+                      "atol": recipe.numerics.atol, "floor": recipe.numerics.floor, "grid": recipe.numerics.grid,
+                      "grid_budget": recipe.numerics.grid_budget, "locate": recipe.numerics.locate},
+        "attention": None,
+        "baseline": {"name": "eager", "device": recipe.runtime.device, "dtype": recipe.runtime.dtype,
+                     "kernels": None, "bench": eager_bench},
+        "rewritten": None,
+        "artifacts": [_variant_dict(r) for r in results],
+        **run_section(recipe, timings, total_s),
+        "memory": None,
+    }

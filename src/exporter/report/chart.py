@@ -25,7 +25,7 @@ def timed_rows(report: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     base = report["baseline"].get("bench")
     if base and base.get("median_ms"):
         rows.append(("eager (baseline)", base))
-    for variant in [report["rewritten"], *report["artifacts"]]:
+    for variant in [*([report["rewritten"]] if report.get("rewritten") else []), *report["artifacts"]]:
         bench = variant.get("bench") or {}
         if bench.get("median_ms"):
             rows.append((variant["name"], bench))
@@ -98,7 +98,8 @@ def decode_rows(report: dict[str, Any]) -> list[tuple[str, float, float | None]]
     """(label, batch-1 ms/token, batch-B ms/token) of every timed row of a generation report, eager first."""
     rows = []
     named = [("eager generate()", report["baseline"].get("bench"))]
-    named += [(row["name"], row.get("bench")) for row in [report["rewritten"], *report["artifacts"]]]
+    candidates = [*([report["rewritten"]] if report.get("rewritten") else []), *report["artifacts"]]
+    named += [(row["name"], row.get("bench")) for row in candidates]
     for label, bench in named:
         one = ((bench or {}).get("batch_1") or {}).get("decode_best_ms")
         if isinstance(one, (int, float)) and one > 0:

@@ -68,10 +68,25 @@ def headline(report: dict[str, Any]) -> str:
     return f"numerics: {numerics_verdict(report)} · speed: {speed_verdict(report)}"
 
 
+def _candidates(r: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rewritten model (a convert's) and the artifacts."""
+    return ([r["rewritten"]] if r.get("rewritten") else []) + r["artifacts"]
+
+
+def _attention_line(r: dict[str, Any]) -> str:
+    if r.get("attention") is None:
+        checked = (r.get("check") or {}).get("artifacts") or []
+        return "- Checked: " + "; ".join(f"`{a['file']}` ({a['kind']}, made by {a['made_by']})" for a in checked)
+    return (f"- Attention: {r['attention']['found']} site(s) found, {r['attention']['rewritten']} rewritten to SDPA, "
+            f"{r['attention']['skipped']} skipped"
+            + ("" if r["recipe"].get("rewrite_attention", True) else " (rewrite off: attention runs as written)"))
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     r = report
+    title = "exporter check" if r.get("task") == "check" else "exporter report"
     lines = [
-        f"# exporter report: {r['model']['name']} with `{r['recipe']['name']}` — {headline(r)}",
+        f"# {title}: {r['model']['name']} with `{r['recipe']['name']}` — {headline(r)}",
         "",
         f"- Model: `{r['model']['architecture']}` ({r['model']['architecture_source']}), "
         f"{r['model']['parameters']:,} parameters",
@@ -81,9 +96,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"- Inputs: {r['inputs']['samples']} sample(s) from {r['inputs']['source']}"
         + (f" (seed {r['inputs']['seed']})" if r['inputs']['seed'] is not None else "")
         + ", shapes " + ", ".join(f"`{k}` {v}" for k, v in r["inputs"]["shapes"].items()),
-        f"- Attention: {r['attention']['found']} site(s) found, {r['attention']['rewritten']} rewritten to SDPA, "
-        f"{r['attention']['skipped']} skipped"
-        + ("" if r["recipe"].get("rewrite_attention", True) else " (rewrite off: attention runs as written)"),
+        _attention_line(r),
         f"- Reference: original model in {r['reference']['dtype']} on {r['reference']['device']}; tolerance "
         f"`{r['tolerance']['rule']}`",
     ] + _slower_lines(r) + _cost_lines(r) + [
@@ -96,7 +109,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines.append(f"| eager (baseline) | — | — | {_ms(base.get('median_ms'))} | {_ms(base.get('p90_ms'))} | "
                  f"{_ms(base.get('p99_ms'))} | {_noise(base)} | 1.00× | {_tf(base)} | — | — | "
                  f"{kernel_summary(r['baseline'].get('kernels'))} |")
-    for v in [r["rewritten"]] + r["artifacts"]:
+    for v in _candidates(r):
         b = v["bench"] or {}
         size = f"{v['size_bytes'] / 2**20:.1f} MiB" if v.get("size_bytes") else "—"
         build = f"{v['build_s']:.1f}" if v.get("build_s") is not None else "—"
@@ -105,14 +118,14 @@ def render_markdown(report: dict[str, Any]) -> str:
                      f"| {kernel_summary((v.get('info') or {}).get('kernels'))} |")
     if r.get("chart"):
         lines += ["", f"![Latency and speedup per variant]({r['chart']})"]
-    notes = [(v["name"], v["error"]) for v in [r["rewritten"]] + r["artifacts"] if v.get("error")]
-    notes += [(v["name"], n) for v in [r["rewritten"]] + r["artifacts"] for n in v.get("notes", [])]
+    notes = [(v["name"], v["error"]) for v in _candidates(r) if v.get("error")]
+    notes += [(v["name"], n) for v in _candidates(r) for n in v.get("notes", [])]
     if notes or r["warnings"]:
         lines += ["", "## Notes", ""]
         lines += [f"- **{name}**: {text}" for name, text in notes]
         lines += [f"- warning: {w}" for w in r["warnings"]]
     lines += _grid_lines(r) + _locate_lines(r) + _choice_lines(r)
-    if r["attention"]["sites"]:
+    if (r.get("attention") or {}).get("sites"):
         lines += ["", "## Attention sites", "",
                   "| location | kind | status | causal | masked | GQA | head dim | reason |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -139,7 +152,8 @@ def _cost_lines(r: dict[str, Any]) -> list[str]:
     timings = {k: v for k, v in (r.get("timings_s") or {}).items() if k != "total" and isinstance(v, (int, float))}
     if timings:
         slowest = sorted(timings.items(), key=lambda kv: kv[1], reverse=True)[:4]
-        lines.append(f"- Convert took {r['timings_s'].get('total', 0):.0f} s; slowest stages: "
+        verb = "Check" if r.get("task") == "check" else "Convert"
+        lines.append(f"- {verb} took {r['timings_s'].get('total', 0):.0f} s; slowest stages: "
                      + ", ".join(f"{k} {v:.1f} s" for k, v in slowest))
     memory = r.get("memory") or {}
     tree = memory.get("tree") or {}
@@ -163,7 +177,7 @@ def _cost_lines(r: dict[str, Any]) -> list[str]:
 
 def _grid_lines(r: dict[str, Any]) -> list[str]:
     grid = r["inputs"].get("grid")
-    checked = [v for v in [r["rewritten"]] + r["artifacts"]
+    checked = [v for v in _candidates(r)
                if ((v.get("numerics") or {}).get("grid") or {}).get("checked")]
     if not grid or not checked:
         return []
@@ -186,7 +200,7 @@ def _grid_lines(r: dict[str, Any]) -> list[str]:
 
 def _locate_lines(r: dict[str, Any]) -> list[str]:
     lines = []
-    for v in [r["rewritten"]] + r["artifacts"]:
+    for v in _candidates(r):
         found = (v.get("numerics") or {}).get("locate")
         if not found:
             continue
@@ -201,7 +215,7 @@ def _locate_lines(r: dict[str, Any]) -> list[str]:
 
 def _choice_lines(r: dict[str, Any]) -> list[str]:
     """PyTorch's verdict on each distinct SDPA call: the backend it picks and why the others cannot run."""
-    choice = r["attention"].get("backend_choice") or {}
+    choice = (r.get("attention") or {}).get("backend_choice") or {}
     if choice.get("error"):
         return ["", "## SDPA backend choice", "", f"Not determined: {choice['error']}"]
     if not choice.get("calls"):

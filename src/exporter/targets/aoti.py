@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 from ..attention_backend import backend_context
 from ..dtypes import torch_dtype
 from ..measure.kernels import hook
+from ..modelio import import_spec_types, named_call
 from ..outdir import save_named_tensors
 from . import aoti_loader
 from .aoti_loader import CudaGraphed, load_package
@@ -122,10 +123,12 @@ def _as_list(out) -> list[torch.Tensor]:
 def load(spec: RunnerSpec) -> Loaded:
     if spec.option("cuda_graph"):
         return _load_graphed(spec)
+    import_spec_types(spec.option("imports"))  # a foreign program's ModelOutput types, registered first
     runner = load_package(spec.file())
+    inner = named_call(runner, spec.option("keywords"), spec.option("outputs")) if spec.option("named") else None
 
     def call(args):
-        return _as_list(runner(*args))
+        return inner(args) if inner is not None else _as_list(runner(*args))
 
     return Loaded(call, spec.device, torch_dtype(spec.dtype), hooks={"kernels": hook(spec.device, HINT)})
 

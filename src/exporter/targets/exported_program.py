@@ -21,6 +21,7 @@ from ..attention_backend import backend_context
 from ..dtypes import torch_dtype
 from ..errors import shorten
 from ..measure.kernels import hook
+from ..modelio import import_spec_types, named_call
 from ..rewrite.graph_facts import count_graph_ops
 from ..rewrite.transformers_masks import positions_from_model, trivial_masks_skipped
 from .context import BuildContext, Built, DecoderPrograms
@@ -107,12 +108,15 @@ def build(ctx: BuildContext) -> list[Built]:
 
 
 def load(spec: RunnerSpec) -> Loaded:
+    import_spec_types(spec.option("imports"))  # a foreign program's ModelOutput types, registered first
     program = torch.export.load(spec.file())
     module = program.module()
+    # a program another tool exported (exporter check): called by name, its outputs picked by name
+    inner = named_call(module, spec.option("keywords"), spec.option("outputs")) if spec.option("named") else None
 
     def call(args):
         with backend_context(spec.attention_backend, spec.device):
-            return list(module(*args))
+            return inner(args) if inner is not None else list(module(*args))
 
     return Loaded(call, spec.device, torch_dtype(spec.dtype), hooks={"kernels": hook(spec.device)})
 

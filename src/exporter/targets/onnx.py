@@ -37,6 +37,7 @@ from onnx.external_data_helper import uses_external_data
 
 from ..dtypes import torch_dtype
 from ..measure.kernels import onnxruntime_hook
+from ..modelio import step_positions
 from ..numerics.reference import cast_in_place
 from ..rewrite.onnx_attention_masks import expand_attention_masks
 from .context import BuildContext, Built, DecoderPrograms
@@ -229,6 +230,8 @@ def build(ctx: BuildContext) -> list[Built]:
 
 
 def load(spec: RunnerSpec) -> Loaded:
+    if spec.option("past"):  # a decoder with past another tool exported (exporter check): its two steps
+        return load_past_steps(spec)
     options = ort.SessionOptions()
     options.log_severity_level = 3
     session = ort.InferenceSession(spec.file(), sess_options=options, providers=[spec.option("provider")])
@@ -383,3 +386,66 @@ class OnnxStep:
 def load_decoder(files: tuple[Path, ...]) -> DecoderLoaded:
     prefill, decode = (OnnxStep(path) for path in files)
     return DecoderLoaded(prefill, decode)
+
+
+# --------------------------------------------------------------------------- a decoder with past (exporter check)
+
+
+def load_past_steps(spec: RunnerSpec) -> Loaded:
+    """The ONNX decoder with past behind the two steps' convention (``INPUTS`` in, :func:`output_names` out),
+    run with onnxruntime; ``spec``'s ``past`` option: ``(layers, prefill file, merged)``."""
+    from pathlib import Path  # noqa: PLC0415
+
+    import numpy as np  # noqa: PLC0415
+    import onnxruntime as ort  # noqa: PLC0415
+
+    from ..dtypes import torch_dtype  # noqa: PLC0415
+    from ..targets.spec import Loaded  # noqa: PLC0415
+
+    layers, prefill_name, merged = spec.option("past")  # the prompt's file lies beside the decode step's
+    prefill_file = str(Path(spec.file()).with_name(prefill_name))
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    provider = spec.option("provider")
+    decode = ort.InferenceSession(spec.file(), sess_options=options, providers=[provider])
+    prefill = decode if prefill_file == spec.file() else ort.InferenceSession(prefill_file, sess_options=options,
+                                                                             providers=[provider])
+    numpy_types = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
+
+    def empty_cache(session, batch: int) -> dict[str, np.ndarray]:
+        feeds = {}
+        for entry in session.get_inputs():
+            if entry.name.startswith("past_key_values."):
+                shape = [batch if i == 0 else 0 if i == 2 else int(d) for i, d in enumerate(entry.shape)]
+                feeds[entry.name] = np.zeros(shape, dtype=numpy_types.get(entry.type, np.float32))
+        return feeds
+
+    def run(session, feeds: dict[str, Any]) -> dict[str, np.ndarray]:
+        wanted = {i.name for i in session.get_inputs()}
+        given = {k: np.ascontiguousarray(v.cpu().numpy() if isinstance(v, torch.Tensor) else v)
+                 for k, v in feeds.items() if k in wanted}
+        return dict(zip([o.name for o in session.get_outputs()], session.run(None, given)))
+
+    def step_outputs(found: dict[str, np.ndarray]) -> list[torch.Tensor]:
+        tensors = [found["logits"]]
+        for layer in range(layers):
+            tensors += [found[f"present.{layer}.key"], found[f"present.{layer}.value"]]
+        return [torch.from_numpy(np.asarray(t)) for t in tensors]
+
+    def call(args: list[torch.Tensor]) -> list[torch.Tensor]:
+        input_ids, mask, next_ids = args
+        prompt, following, position = step_positions(mask)
+        kind = next((i.type for i in decode.get_inputs() if i.name == "attention_mask"), "tensor(int64)")
+        mask_type = torch.int32 if kind == "tensor(int32)" else torch.int64
+        first = run(prefill, {"input_ids": input_ids, "attention_mask": mask.to(mask_type), "position_ids": prompt,
+                              **empty_cache(prefill, int(input_ids.shape[0])),
+                              **({"use_cache_branch": np.array([False])} if merged else {})})
+        cache = {f"past_key_values.{layer}.{part}": first[f"present.{layer}.{part}"]
+                 for layer in range(layers) for part in ("key", "value")}
+        second = run(decode, {"input_ids": next_ids, "attention_mask": following.to(mask_type),
+                              "position_ids": position, **cache,
+                              **({"use_cache_branch": np.array([True])} if merged else {})})
+        return step_outputs(first) + step_outputs(second)
+
+    device = "cpu" if provider == "CPUExecutionProvider" else spec.device
+    return Loaded(call, device, torch_dtype(spec.dtype), {"provider": provider})

@@ -1,0 +1,143 @@
+"""An artifact's inputs and outputs mapped by name onto what the checkpoint's model takes and returns.
+
+The model's own inputs (generated from its config as ``convert`` generates them, or declared in the recipe)
+are kept where the artifact takes them, in the artifact's order; an input the artifact takes that the config
+does not give (``token_type_ids``, ``position_ids``) is generated from the config too. A fixed size in the
+artifact pins the recipe's dim to it (a static ONNX file is judged at its shapes, and the report says so); a
+dynamic dim the artifact bounds (a ``.pt2``'s range constraints) narrows the recipe's to those bounds. A name
+or a size the model does not have is a one-line error naming both sides: the artifact is of another model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch.nn as nn
+
+from ..errors import InputsError, UsageError
+from ..inputs import infer_specs, within_positions
+from ..modelio import forward_parameters
+from ..recipe import Dim, Recipe, TensorSpec
+from .artifacts import Artifact, Port
+
+GENERATED_EXTRA = ("token_type_ids", "position_ids")
+
+
+def _extra_spec(name: str, model: nn.Module, like: TensorSpec | None) -> TensorSpec | None:
+    """A spec for an input the config's defaults do not generate but the artifact takes."""
+    config: Any = getattr(model, "config", None)
+    shape = like.shape if like is not None else ("batch", "sequence")
+    if name == "token_type_ids":
+        return TensorSpec(name, shape, "int64", 0, max(1, int(getattr(config, "type_vocab_size", 1) or 1)))
+    if name == "position_ids":  # generated in range; their values are the model's own default positions below
+        return TensorSpec(name, shape, "int64", 0, 1)
+    return None
+
+
+def _mismatch(what: str, artifact: Artifact, model: nn.Module) -> UsageError:
+    return UsageError(f"{artifact.name} ({artifact.path.name}) does not fit {type(model).__name__}: {what}",
+                      "check it against the checkpoint it was exported from (--against), or declare the inputs "
+                      "with --input")
+
+
+def map_inputs(artifact: Artifact, model: nn.Module, recipe: Recipe) -> tuple[Recipe, list[str]]:
+    """The recipe with the artifact's inputs declared (its order, its fixed sizes); and notes for the report."""
+    params = [n for n in forward_parameters(model) if n not in ("self", "kwargs", "args")]
+    try:
+        defaults = {s.name: s for s in infer_specs(model, recipe.inputs)}
+    except InputsError:
+        defaults = {}
+    notes: list[str] = []
+    ports = list(artifact.inputs)
+    if not ports or all(p.name.startswith("arg") and p.name[3:].isdigit() for p in ports):
+        if not defaults:
+            raise _mismatch("it does not name its inputs, and the model's cannot be generated", artifact, model)
+        order = list(defaults)
+        if ports and len(ports) != len(order):
+            raise _mismatch(f"it takes {len(ports)} unnamed inputs, the model's generated inputs are "
+                            f"{', '.join(order)}", artifact, model)
+        ports = [Port(n, None, None) for n in order]
+        notes.append(f"the artifact does not name its inputs: given {', '.join(order)} in that order")
+    unknown = [p.name for p in ports if p.name not in params]
+    if unknown:
+        raise _mismatch(f"it takes {', '.join(unknown)}, which {type(model).__name__}.forward does not (it takes "
+                        f"{', '.join(params[:8])})", artifact, model)
+    dims = {d.name: d for d in recipe.inputs.dims}
+    pinned: dict[str, tuple[int, str]] = {}
+    bounded: dict[str, tuple[int | None, int | None]] = {}
+    specs: list[TensorSpec] = []
+    first = next(iter(defaults.values()), None)
+    for port in ports:
+        spec = defaults.get(port.name) or _extra_spec(port.name, model, first)
+        if spec is None:
+            raise _mismatch(f"it takes {port.name}, which cannot be generated from the model's config",
+                            artifact, model)
+        if port.axes is not None:
+            if len(port.axes) != len(spec.shape):
+                raise _mismatch(f"its input {port.name} has {len(port.axes)} axes, the model's has "
+                                f"{len(spec.shape)} ({list(spec.shape)})", artifact, model)
+            for axis, (mine, theirs) in enumerate(zip(spec.shape, port.axes)):
+                if isinstance(theirs, int) and isinstance(mine, str):
+                    seen = pinned.get(mine)
+                    if seen is not None and seen[0] != theirs:
+                        raise _mismatch(f"it fixes dim {mine} at {seen[0]} ({seen[1]}) and at {theirs} "
+                                        f"({port.name})", artifact, model)
+                    pinned[mine] = (theirs, port.name)
+                elif isinstance(theirs, int) and isinstance(mine, int) and mine != theirs:
+                    raise _mismatch(f"its input {port.name} axis {axis} is {theirs}, the model's is {mine} "
+                                    f"(shape {list(spec.shape)})", artifact, model)
+                elif isinstance(mine, str) and axis < len(port.bounds) and port.bounds[axis] != (None, None):
+                    low, high = port.bounds[axis]
+                    old = bounded.get(mine, (None, None))
+                    bounded[mine] = (max(x for x in (low, old[0]) if x is not None) if low or old[0] else None,
+                                     min(x for x in (high, old[1]) if x is not None) if high or old[1] else None)
+        dtype = port.dtype if port.dtype and not spec.dtype.startswith(("float", "bf")) else spec.dtype
+        specs.append(dataclasses.replace(spec, dtype=dtype))
+    new_dims = []
+    for dim in dims.values():
+        if dim.name in pinned:
+            size = pinned[dim.name][0]
+            new_dims.append(Dim(dim.name, size, size, size))
+            if dim.dynamic or dim.size != size:
+                notes.append(f"dim {dim.name}: the artifact fixes it at {size} ({pinned[dim.name][1]}), so it is "
+                             f"judged at that size only (the recipe declares {dim.min}..{dim.max})")
+            continue
+        low, high = bounded.get(dim.name, (None, None))
+        new_min = max(dim.min, low) if low is not None else dim.min
+        # torch.export reports a lower bound of 2 for a dim it traced at size >= 2; it still accepts 1
+        new_min = dim.min if low == 2 and dim.min < 2 else new_min
+        new_max = min(dim.max, high) if high is not None else dim.max
+        if (new_min, new_max) != (dim.min, dim.max):
+            notes.append(f"dim {dim.name}: the artifact accepts {low}..{high}; judged within "
+                         f"{new_min}..{new_max} (the recipe declares {dim.min}..{dim.max})")
+        new_dims.append(Dim(dim.name, min(max(dim.size, new_min), new_max), new_min, new_max))
+    narrowed, position_notes = within_positions(model, tuple(specs), tuple(new_dims))
+    notes += position_notes
+    section = dataclasses.replace(recipe.inputs, tensors=tuple(specs), dims=narrowed)
+    return dataclasses.replace(recipe, inputs=section), notes
+
+
+def map_outputs(artifact: Artifact, model_outputs: tuple[str, ...]) -> tuple[tuple[str, ...], list[str]]:
+    """The model's outputs the artifact returns, in the artifact's order (positional names mapped in order)."""
+    names = [p.name for p in artifact.outputs]
+    notes: list[str] = []
+    if not names:
+        return model_outputs, ["the artifact does not name its outputs: compared with the model's, in order"]
+    if all(n.startswith("output_") for n in names) and not set(names) & set(model_outputs):
+        if len(names) > len(model_outputs):
+            raise UsageError(f"{artifact.name} returns {len(names)} outputs, the model {len(model_outputs)} "
+                             f"({', '.join(model_outputs)})", "check it against the checkpoint it was exported from")
+        notes.append("the artifact does not name its outputs: compared with the model's "
+                     f"{', '.join(model_outputs[:len(names)])}, in order")
+        return model_outputs[:len(names)], notes
+    unknown = [n for n in names if n not in model_outputs]
+    if unknown:
+        raise UsageError(f"{artifact.name} ({artifact.path.name}) returns {', '.join(unknown)}, which the model does "
+                         f"not (it returns {', '.join(model_outputs)})",
+                         "check it against the checkpoint it was exported from (--against); a task head the "
+                         "checkpoint lacks (e.g. exported with another --task) is another model")
+    return tuple(names), notes
+
+
+__all__ = ["map_inputs", "map_outputs"]

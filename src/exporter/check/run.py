@@ -1,0 +1,297 @@
+"""``exporter check ARTIFACT --against CHECKPOINT``: the release gate for artifacts any tool made.
+
+    describe the artifact -> load the checkpoint -> map inputs and outputs by name -> float64 reference
+    -> eager baseline -> run the artifact in its own process -> shape grid -> locate -> benchmark -> report
+
+Nothing is built. The artifact's files are copied into the output folder first (hard-linked where the file
+system allows), so what was judged is exactly what ``manifest.json`` hashes and ``exporter verify`` re-runs
+later. The gate is convert's (``numerics/``): a float64 run of the checkpoint's model on the recipe's device,
+``rmse <= k * rmse(eager in the artifact's dtype) + floor`` per sample and output, the shape grid within the
+artifact's own dynamic dims, the first divergent module (ONNX: its intermediate values, by module scope;
+``.pt2``: its unflattened submodules). A decoder with past (Optimum's ``text-generation-with-past``) is judged
+step by step: not yet (refused with that reason; docs/check.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .. import interrupts
+from ..checkpoint import load_model
+from ..dtypes import torch_dtype
+from ..environment import check_machine
+from ..errors import CheckpointError, ExporterError, UsageError
+from ..inputs import plan_inputs
+from ..measure.bench import benchmark
+from ..modelio import Signature, discover_outputs
+from ..numerics.reference import run_reference
+from ..numerics.validation import Validation
+from ..outdir import OutputFolder, disk_full, model_name, os_problem, path_from, public_command, sha256_file
+from ..prepare import original_module
+from ..progress import Progress
+from ..quiet import quiet_libraries
+from ..recipe import Recipe, public_source, resolve_recipe
+from ..results import NUMERICS_FAILED, VariantResult
+from ..targets.spec import RunnerSpec
+from .artifacts import Artifact, find_artifacts
+from .locating import locate_artifact
+from .mapping import map_inputs, map_outputs
+from .past import INPUTS, PastSteps, output_names, past_recipe
+
+FOLDER = "artifact"  # where the judged files are kept in the output folder
+
+
+@dataclass
+class CheckResult:
+    out: Path
+    report: dict[str, Any]
+    exit_code: int
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.report.get("passed"))
+
+
+def default_out(artifact: Path, recipe: Recipe) -> Path:
+    return Path("artifacts") / model_name(artifact) / f"check-{recipe.name}"
+
+
+def keep(artifact: Artifact, staging: Path, source_root: Path) -> tuple[Path, list[Path]]:
+    """Copy (hard-link where possible) the artifact's files into ``staging/artifact``: its path there (relative to
+    ``staging``) and every file it reads there."""
+    base = source_root if source_root.is_dir() else source_root.parent
+    kept = []
+    for file in dict.fromkeys(artifact.files + ([artifact.past.prefill] if artifact.past else [])):
+        target = staging / FOLDER / file.resolve().relative_to(base)
+        kept.append(target)
+        if target.exists():
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(file, target)
+        except OSError:
+            shutil.copy2(file, target)
+    return (staging / FOLDER / artifact.path.resolve().relative_to(base)).relative_to(staging), kept
+
+
+def runner_spec(artifact: Artifact, path: Path, device: str, dtype: str, signature: Signature,
+                backend: str) -> RunnerSpec:
+    options: list[tuple[str, Any]] = [("named", True), ("outputs", tuple(signature.outputs))]
+    if artifact.call == "keyword":
+        options.append(("keywords", tuple(signature.inputs)))
+    if artifact.imports:
+        options.append(("imports", artifact.imports))
+    if artifact.past is not None:
+        options.append(("past", (artifact.past.layers, artifact.past.prefill.name, artifact.past.merged)))
+    if artifact.target == "onnx":
+        from ..targets.onnx import choose_provider  # noqa: PLC0415 - onnxruntime only where ONNX is checked
+
+        options.append(("provider", choose_provider(device)))
+    if artifact.target == "aoti":
+        from ..targets.toolchain import aoti_preload  # noqa: PLC0415
+
+        options.append(("ld_preload", aoti_preload()))
+    return RunnerSpec(artifact.name, artifact.target, device, dtype, path=str(path), options=tuple(options),
+                      attention_backend=backend)
+
+
+def _one_mapping(artifacts: list[Artifact], model, recipe: Recipe) -> tuple[Recipe, list[str]]:
+    """The inputs every artifact takes: one mapping for all (a folder's artifacts are of one model), each dim
+    within what every artifact accepts."""
+    mapped = [map_inputs(a, model, recipe) for a in artifacts]
+    first, notes = mapped[0]
+    for artifact, (other, more) in zip(artifacts[1:], mapped[1:]):
+        if other.inputs.tensors != first.inputs.tensors:
+            raise UsageError(f"{artifacts[0].name} and {artifact.name} take different inputs "
+                             f"({', '.join(s.name for s in first.inputs.tensors)} vs "
+                             f"{', '.join(s.name for s in other.inputs.tensors)})",
+                             "check them one at a time (pass each file)")
+        notes += [n for n in more if n not in notes]
+    dims = []
+    for dim in first.inputs.dims:
+        every = [next(d for d in m.inputs.dims if d.name == dim.name) for m, _ in mapped]
+        low, high = max(d.min for d in every), min(d.max for d in every)
+        dims.append(dataclasses.replace(dim, min=low, max=high, size=min(max(dim.size, low), high)))
+    return dataclasses.replace(first, inputs=dataclasses.replace(first.inputs, dims=tuple(dims))), notes
+
+
+def check(artifact: str | Path, against: str | Path, recipe: str | Path | Recipe = "cpu-fp32",
+          out: str | Path | None = None, *, model: str | None = None, dims: tuple[str, ...] = (),
+          tensors: tuple[str, ...] = (), settings: tuple[str, ...] = (), allow_pickle: bool = False,
+          overwrite: bool = False, progress: Progress | None = None, command: list[str] | None = None) -> CheckResult:
+    """Judge ``artifact`` (a file or folder another tool made) against ``against`` (the checkpoint it came
+    from) with convert's gate; the report lands in ``out``. User mistakes raise ExporterError before anything
+    is written; a numerics failure is the result's ``exit_code`` (3), not raised."""
+    progress = progress or Progress(enabled=False)
+    recipe_obj = resolve_recipe(recipe, model, dims, tensors, settings=settings)
+    if recipe_obj.model.task == "text-generation":
+        raise UsageError("exporter check judges an artifact's forward; a decoder with past inputs is judged step "
+                         "by step without --task", "leave out --task (and [model] task in the recipe)")
+    check_machine(recipe_obj)
+    artifact_path, checkpoint = Path(artifact), Path(against)
+    if not checkpoint.exists():
+        raise CheckpointError(f"checkpoint {checkpoint} does not exist", "check the path given to --against")
+    final = Path(out) if out is not None else default_out(artifact_path, recipe_obj)
+    resolved = final.resolve()
+    source = artifact_path.resolve()
+    if resolved == source or source.is_relative_to(resolved):
+        raise UsageError(f"--out {final} holds the artifact being checked", "write the check to another folder")
+    artifacts = find_artifacts(artifact_path)
+    with interrupts.watch(), quiet_libraries(), OutputFolder(final, overwrite=overwrite,
+                                                             keep_clear=checkpoint) as folder:
+        run = CheckRun(artifacts, source, checkpoint, recipe_obj, folder.staged, allow_pickle, progress)
+        try:
+            data, files = run.execute()
+            data["run"] = {"command": public_command(command) if command else None, "settings": list(settings)}
+            data["model"]["checkpoint"] = path_from(folder.final, checkpoint)
+            from .. import report as report_mod  # noqa: PLC0415
+
+            report_mod.write_all(folder.staged, data, {"checkpoint_files": files,
+                                                       "recipe": {**run.recipe.to_dict(),
+                                                                  "source": public_source(recipe_obj)}})
+        except ExporterError:
+            raise
+        except Exception as exc:
+            full = disk_full(exc)
+            if full is not None:
+                raise os_problem(full, final) from None
+            raise
+        finally:
+            run.close()
+        published = folder.publish()
+    return CheckResult(published, data, data["exit_code"], data.get("problems", []))
+
+
+class CheckRun:
+    def __init__(self, artifacts: list[Artifact], source: Path, checkpoint: Path, recipe: Recipe, staging: Path,
+                 allow_pickle: bool, progress: Progress):
+        self.artifacts = artifacts
+        self.source = source
+        self.checkpoint = checkpoint
+        self.recipe = recipe
+        self.staging = staging
+        self.allow_pickle = allow_pickle
+        self.progress = progress
+        self.validation: Validation | None = None
+        self.warnings: list[str] = []
+
+    def close(self) -> None:
+        if self.validation is not None:
+            self.validation.close()
+
+    def log_path(self, name: str) -> Path:
+        logs = self.staging / "logs"
+        logs.mkdir(exist_ok=True)
+        return logs / f"{name.replace(':', '-').replace('/', '-')}.log"
+
+    def execute(self) -> tuple[dict[str, Any], list[Path]]:
+        from ..outdir import save_tensors  # noqa: PLC0415
+        from ..report.assemble import assemble_check  # noqa: PLC0415
+
+        progress, t_start = self.progress, time.perf_counter()
+        with progress.stage("load", str(self.checkpoint)):
+            loaded = load_model(self.checkpoint, self.recipe.model.factory, self.allow_pickle)
+        past = next((a for a in self.artifacts if a.past is not None), None)
+        if past is not None and len(self.artifacts) > 1:
+            raise UsageError(f"{self.source} holds a decoder with past and other models "
+                             f"({', '.join(a.name for a in self.artifacts)})", "check them one at a time")
+        with progress.stage("inputs", ", ".join(a.name for a in self.artifacts)):
+            if past is not None:
+                self.recipe, notes = past_recipe(past, loaded.model, self.recipe)
+            else:
+                self.recipe, notes = _one_mapping(self.artifacts, loaded.model, self.recipe)
+            recipe = self.recipe
+            plan = plan_inputs(loaded.model, recipe.inputs)
+            plan.notes += notes
+            if past is not None and past.past is not None:
+                signature = Signature(INPUTS, output_names(past.past.layers))
+            else:
+                produced = discover_outputs(loaded.model, plan.samples[0])
+                outputs, out_notes = map_outputs(self.artifacts[0], produced)
+                plan.notes += out_notes
+                signature = Signature(plan.names, outputs)
+            samples = [[s[n] for n in plan.names] for s in plan.samples]
+            save_tensors(self.staging / "reference" / "inputs.safetensors", samples, plan.names)
+        device, dtype = recipe.runtime.device, recipe.runtime.dtype
+        original = (PastSteps(loaded.model, past.past.layers) if past is not None and past.past is not None
+                    else original_module(loaded, signature))
+        if device != "cpu":
+            loaded.model.to(device)
+        with progress.stage("reference", f"the checkpoint's model, float64, {device}"):
+            reference = run_reference(original, plan.samples, device=device)
+            save_tensors(self.staging / "reference" / "outputs.safetensors", reference.outputs, signature.outputs)
+        loaded.model.to(device=device, dtype=torch_dtype(dtype))
+        self.validation = validation = Validation(recipe, signature, reference, samples, original, self.log_path)
+        results: list[VariantResult] = []
+        live: dict[str, Any] = {}
+        with progress.stage("validate numerics"):
+            eager = validation.local("eager", original, device, dtype)
+            validation.set_baseline(device, dtype, eager)
+            live["eager"] = eager
+            for artifact in self.artifacts:
+                path, kept = keep(artifact, self.staging, self.source)
+                own = artifact.dtype or dtype
+                result = VariantResult(artifact.target, artifact.name, path=path, device=device, dtype=own)
+                result.notes += artifact.notes
+                if artifact.dtype and artifact.dtype != dtype:
+                    result.notes.append(f"the artifact computes in {artifact.dtype} (the recipe's dtype is {dtype}): "
+                                        f"judged against the eager model's own error in {artifact.dtype}")
+                result.files = [{"path": str(p.relative_to(self.staging)), "sha256": sha256_file(p),
+                                 "bytes": p.stat().st_size} for p in kept]
+                spec = runner_spec(artifact, self.staging / path, device, own, signature,
+                                   recipe.runtime.attention_backend)
+                if artifact.target == "onnx" and spec.option("provider") == "CPUExecutionProvider":
+                    result.device = "cpu"
+                result.info["made_by"] = artifact.made_by
+                # how verify loads it again: by name, as here
+                result.info["load"] = {k: list(v) if isinstance(v, tuple) else v for k, v in spec.options
+                                       if k in ("named", "keywords", "outputs", "imports", "past")}
+                results.append(result)
+                runner = validation.remote(result, spec)
+                if runner is not None:
+                    live[artifact.name] = runner
+        grid = validation.grid(results, live, plan, None, self.staging, progress)
+        failing = [r for r in results if r.status == NUMERICS_FAILED]
+        if failing and recipe.numerics.locate:
+            with progress.stage("locate divergence", ", ".join(r.name for r in failing)):
+                for result in failing:
+                    artifact = next(a for a in self.artifacts if a.name == result.name)
+                    sample = _worst_sample(result)
+                    locate_artifact(result, artifact, self.staging / str(result.path), original,
+                                    samples[sample], recipe, signature.outputs if artifact.past else signature.inputs,
+                                    sample)
+        self.warnings += validation.warnings
+        first = plan.samples[0][plan.names[0]]
+        with progress.stage("benchmark", f"{len(live)} variants"):
+            eager_bench, warnings = benchmark(live, samples[0], results, recipe.bench, device, reference.flops,
+                                              int(first.shape[0]) if first.dim() else 1)
+        self.warnings += warnings
+        validation.close()
+        data = assemble_check(recipe=recipe, checkpoint=self.checkpoint, loaded=loaded, plan=plan,
+                              signature=signature, reference=reference, results=results, eager_bench=eager_bench,
+                              warnings=self.warnings, timings=progress.timings,
+                              total_s=time.perf_counter() - t_start, grid=grid,
+                              checked=self.described(), source=self.source)
+        return data, list(loaded.checkpoint.files)
+
+    def described(self) -> list[dict[str, Any]]:
+        return [{"name": a.name, "kind": a.target, "made_by": a.made_by, "file": a.path.name,
+                 "inputs": [p.name for p in a.inputs], "outputs": [p.name for p in a.outputs],
+                 "call": a.call, "past_layers": a.past.layers if a.past else None} for a in self.artifacts]
+
+
+def _worst_sample(result: VariantResult) -> int:
+    failures = result.numerics.failures if result.numerics is not None else []
+    return failures[0].sample if failures else 0
+
+
+
+
+__all__ = ["check", "CheckResult"]
