@@ -24,7 +24,7 @@ def render() -> str:
         "",
         "`exporter` exits with one of these codes. The library raises `exporter.ExporterError` subclasses that",
         "carry the same code in `exit_code`; `exporter.convert()` returns target and numerics failures in",
-        "`ConvertResult.exit_code` instead of raising. `exporter validate` exits like `convert`.",
+        "`ConvertResult.exit_code` instead of raising. `exporter validate` and `exporter check` exit like `convert`.",
         "",
         "| code | meaning | examples |",
         "| --- | --- | --- |",

@@ -71,7 +71,7 @@ def test_progress_lines_never_wrap_off_a_terminal(capsys):
 def test_the_package_shows_its_verbs():
     import exporter
 
-    assert {"convert", "inspect", "verify", "validate_folder", "load_recipe"} <= set(dir(exporter))
+    assert {"convert", "inspect", "check_artifact", "verify", "validate_folder", "load_recipe"} <= set(dir(exporter))
 
 
 def test_recipes_list_json_is_versioned_and_matches_its_schema():

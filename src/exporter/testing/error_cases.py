@@ -556,3 +556,63 @@ def _(tmp, a):
     return Case("generate from a folder without generation programs", "text generation",
                 ["generate", str(tmp), "--target", "aoti", "--input-ids", "1,2,3"], 2,
                 "holds no generation programs")
+
+
+# --------------------------------------------------------------------------- exporter check
+
+
+def check_argv(artifact: Path, a: Assets, tmp: Path, *extra: str) -> list[str]:
+    return ["check", str(artifact), "--against", str(a.gpt2), "--out", str(tmp / "out"), *extra]
+
+
+@case("exporter check", "the artifact does not exist")
+def _(tmp, a):
+    return Case("the artifact does not exist", "exporter check", check_argv(tmp / "missing.onnx", a, tmp), 2,
+                "missing.onnx does not exist", out=tmp / "out")
+
+
+@case("exporter check", "the artifact is neither ONNX nor .pt2")
+def _(tmp, a):
+    return Case("the artifact is neither ONNX nor .pt2", "exporter check", check_argv(a.gpt2 / "config.json", a, tmp),
+                2, "is neither an .onnx nor a .pt2 file", out=tmp / "out")
+
+
+@case("exporter check", "a .pt2 that is not an archive")
+def _(tmp, a):
+    broken = tmp / "model.pt2"
+    broken.write_bytes(b"not a zip file")
+    return Case("a .pt2 that is not an archive", "exporter check", check_argv(broken, a, tmp), 2,
+                "is not a .pt2 archive", out=tmp / "out")
+
+
+@case("exporter check", "an artifact of another model")
+def _(tmp, a):
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Identity", ["pixel_values"], ["logits"])], "vision",
+                              [helper.make_tensor_value_info("pixel_values", TensorProto.FLOAT, ["batch", 3, 8, 8])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 3, 8, 8])])
+    path = tmp / "vision.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), str(path))
+    return Case("an artifact of another model", "exporter check", check_argv(path, a, tmp), 2,
+                "it takes pixel_values, which GPT2LMHeadModel.forward does not", out=tmp / "out")
+
+
+@case("exporter check", "--out holds the artifact")
+def _(tmp, a):
+    folder = tmp / "export"
+    folder.mkdir()
+    shutil.copy(a.gpt2 / "config.json", folder / "config.json")
+    (folder / "model.onnx").write_bytes(b"")
+    return Case("--out holds the artifact", "exporter check",
+                ["check", str(folder / "model.onnx"), "--against", str(a.gpt2), "--out", str(folder)], 2,
+                "holds the artifact being checked")
+
+
+@case("exporter check", "an empty ONNX file")
+def _(tmp, a):
+    empty = tmp / "model.onnx"
+    empty.write_bytes(b"")
+    return Case("an empty ONNX file", "exporter check", check_argv(empty, a, tmp), 2, "holds no ONNX graph",
+                out=tmp / "out")

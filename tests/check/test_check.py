@@ -1,0 +1,301 @@
+"""``exporter check``: artifacts other tools made, judged against their checkpoint with convert's gate.
+
+Real producers throughout: Optimum's ``optimum-cli export onnx`` (in its own virtual environment: it pins
+transformers < 4.58), ``torch.export`` and transformers' own ``exporters``, AOTInductor; real onnxruntime and real
+compiled packages load the results back. Planted defects must fail with exit 3 and name the output and the first
+divergent module; an artifact of another model is refused in one line (exit 2).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from exporter.check.artifacts import describe_pt2, find_artifacts, spec_modules
+from exporter.check.locating import scope_values
+
+pytestmark = pytest.mark.slow
+
+QUICK = ["--set", "bench.warmup=0", "--set", "bench.rounds=1", "--set", "bench.iterations=2"]
+
+
+def run_check(*args, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "exporter", "check", *map(str, args), "-q", *QUICK],
+                          capture_output=True, text=True, cwd=cwd, check=False)
+
+
+def errors(done: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in done.stderr.splitlines() if line.startswith("error:")]
+
+
+@pytest.fixture(scope="module")
+def optimum(tiny_models, tmp_path_factory):
+    """Optimum's exports of the tiny BERT (an encoder), ViT (vision) and GPT-2 (a decoder with past)."""
+    from exporter.testing.optimum_peer import export, optimum_cli
+
+    cli, why = optimum_cli()
+    if cli is None:
+        pytest.skip(why)
+    root = tmp_path_factory.mktemp("optimum")
+    made = {}
+    for name, task in (("bert", "feature-extraction"), ("vit", "feature-extraction"),
+                       ("gpt2", "text-generation-with-past")):
+        done = export(tiny_models[name], root / name, task)
+        assert done.returncode == 0, done.stderr[-2000:]
+        made[name] = root / name
+    return made
+
+
+def test_optimum_encoder_and_vision_exports_pass_and_verify_later(optimum, tiny_models, tmp_path):
+    for name in ("bert", "vit"):
+        out = tmp_path / name
+        done = run_check(optimum[name], "--against", tiny_models[name], "--out", out, "--junit", tmp_path / "j.xml")
+        assert done.returncode == 0, done.stderr[-3000:]
+        report = json.loads((out / "report.json").read_text())
+        (entry,) = report["artifacts"]
+        assert report["task"] == "check" and entry["status"] == "ok" and entry["info"]["made_by"] == "Optimum"
+        assert entry["numerics"]["grid"]["checked"] and all(p["passed"] for p in entry["numerics"]["grid"]["points"])
+        assert (out / entry["path"]).is_file()  # the judged file is in the folder, hashed by the manifest
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert entry["path"] in {f["path"] for f in manifest["files"]}
+        cases = ET.parse(tmp_path / "j.xml").getroot().iter("testcase")
+        assert {c.get("name") for c in cases} == {"loads", "numerics", "shape grid"}
+        verified = subprocess.run([sys.executable, "-m", "exporter", "verify", str(out)], capture_output=True,
+                                  text=True, check=False)
+        assert verified.returncode == 0, verified.stderr[-2000:]
+
+
+def scale_initializer(folder: Path, node_prefix: str, factor: float) -> str:
+    import onnx
+    from onnx import numpy_helper
+
+    proto = onnx.load(str(folder / "model.onnx"))
+    initializers = {t.name: t for t in proto.graph.initializer}
+    node = next(n for n in proto.graph.node if n.name.startswith(node_prefix))
+    name = next(i for i in node.input if i in initializers)
+    scaled = numpy_helper.to_array(initializers[name]) * np.float32(factor)
+    initializers[name].CopyFrom(numpy_helper.from_array(scaled, name))
+    onnx.save(proto, str(folder / "model.onnx"))
+    return name
+
+
+def test_an_onnx_initializer_off_by_one_part_in_a_thousand_fails_and_is_located(optimum, tiny_models, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(optimum["bert"], bad)
+    scale_initializer(bad, "/encoder/layer.1/intermediate/dense/MatMul", 1 + 1e-3)
+    done = run_check(bad, "--against", tiny_models["bert"], "--out", tmp_path / "out")
+    assert done.returncode == 3, done.stderr[-3000:]
+    (line,) = [e for e in errors(done) if "numerics failed" in e]
+    assert "output last_hidden_state" in line and "first divergent module encoder.layer.1.intermediate" in line
+
+
+def shift_cache_update(folder: Path, layer: int) -> None:
+    """Plant a cache written one position off: ``present.{layer}.key`` comes out rolled by one position (the step's
+    own attention still reads the right keys; only the cache handed to the next step is wrong)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    proto = onnx.load(str(folder / "model.onnx"))
+    name, written = f"present.{layer}.key", f"present.{layer}.key.written"
+    for node in proto.graph.node:
+        node.output[:] = [written if o == name else o for o in node.output]
+        node.input[:] = [written if i == name else i for i in node.input]
+
+    def const(value_name: str, value: int):
+        return helper.make_node("Constant", [], [value_name],
+                                value=helper.make_tensor(value_name, TensorProto.INT64, [1], [value]))
+
+    proto.graph.node.extend([
+        const("one", 1), const("zero", 0), const("end", 2**62), const("axis", -2),
+        helper.make_node("Slice", [written, "one", "end", "axis"], ["tail"]),
+        helper.make_node("Slice", [written, "zero", "one", "axis"], ["head"]),
+        helper.make_node("Concat", ["tail", "head"], [name], axis=-2)])
+    onnx.save(proto, str(folder / "model.onnx"))
+
+
+def test_a_decoder_with_past_passes_step_by_step_and_a_cache_one_position_off_fails(optimum, tiny_models, tmp_path):
+    (artifact,) = find_artifacts(optimum["gpt2"])
+    assert artifact.past is not None and artifact.past.layers == 2
+    done = run_check(optimum["gpt2"], "--against", tiny_models["gpt2"], "--out", tmp_path / "good")
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "good" / "report.json").read_text())
+    assert report["inputs"]["names"] == ["input_ids", "attention_mask", "next_ids"]
+    assert report["outputs"][0] == "prefill.logits" and "decode.present.1.value" in report["outputs"]
+    verified = subprocess.run([sys.executable, "-m", "exporter", "verify", str(tmp_path / "good")],
+                              capture_output=True, text=True, check=False)
+    assert verified.returncode == 0, verified.stderr[-2000:]
+    bad = tmp_path / "bad"
+    shutil.copytree(optimum["gpt2"], bad)
+    shift_cache_update(bad, 1)
+    done = run_check(bad, "--against", tiny_models["gpt2"], "--out", tmp_path / "out")
+    assert done.returncode == 3, done.stderr[-3000:]
+    (line,) = [e for e in errors(done) if "numerics failed" in e]
+    assert "the first output that fails, in the order the steps make them, is prefill.present.1.key" in line, line
+    entry = json.loads((tmp_path / "out" / "report.json").read_text())["artifacts"][0]
+    passed = {c["output"] for c in entry["numerics"]["checks"] if c["passed"]}
+    assert {"prefill.logits", "prefill.present.0.key", "prefill.present.1.value"} <= passed  # the rest is sound
+
+
+def test_an_artifact_of_another_model_is_refused_in_one_line(optimum, tiny_models, tmp_path):
+    done = run_check(optimum["bert"], "--against", tiny_models["vit"], "--out", tmp_path / "out")
+    assert done.returncode == 2, done.stderr[-2000:]
+    (line,) = errors(done)
+    assert "input_ids" in line and "ViTModel" in line and "Fix:" in line
+    assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------- torch.export and AOTInductor
+
+
+def export_bert(checkpoint: Path, path: Path, scale: float | None = None) -> Path:
+    """torch.export of the checkpoint's BertModel (SDPA attention) by keyword, as a user script would; with
+    ``scale`` the attention of layer 1 uses a wrong softmax scale (a planted defect)."""
+    from transformers import BertModel
+
+    model = BertModel.from_pretrained(checkpoint, attn_implementation="sdpa").eval()
+    if scale is not None:
+        model.encoder.layer[1].attention.self.scaling *= scale
+    ids = torch.randint(0, 1000, (2, 16))
+    batch, seq = torch.export.Dim("batch", min=1, max=16), torch.export.Dim("seq", min=2, max=128)
+    program = torch.export.export(model, (), {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                                  dynamic_shapes={"input_ids": {0: batch, 1: seq},
+                                                  "attention_mask": {0: batch, 1: seq}})
+    torch.export.save(program, str(path))
+    return path
+
+
+def test_a_torch_export_program_is_described_without_loading_it(tiny_models, tmp_path):
+    artifact = describe_pt2(export_bert(tiny_models["bert"], tmp_path / "bert.pt2"))
+    assert artifact.target == "exported_program" and artifact.call == "keyword"
+    assert [p.name for p in artifact.inputs] == ["input_ids", "attention_mask"]
+    assert [p.name for p in artifact.outputs] == ["last_hidden_state", "pooler_output"]
+    assert artifact.inputs[0].dtype == "int64" and artifact.inputs[0].bounds[1] == (2, 128)
+    assert artifact.imports == ("transformers.modeling_outputs",)
+
+
+def test_a_torch_export_program_passes_and_a_wrong_attention_scale_fails_located(tiny_models, tmp_path):
+    good = export_bert(tiny_models["bert"], tmp_path / "good.pt2")
+    done = run_check(good, "--against", tiny_models["bert"], "--out", tmp_path / "good")
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "good" / "report.json").read_text())
+    assert report["outputs"] == ["last_hidden_state", "pooler_output"]
+    bad = export_bert(tiny_models["bert"], tmp_path / "bad.pt2", scale=1.1)
+    done = run_check(bad, "--against", tiny_models["bert"], "--out", tmp_path / "bad")
+    assert done.returncode == 3, done.stderr[-3000:]
+    (line,) = [e for e in errors(done) if "numerics failed" in e]
+    assert "output last_hidden_state" in line or "output pooler_output" in line
+    assert "first divergent module encoder.layer.1.attention" in line, line
+
+
+def test_an_aoti_package_made_elsewhere_passes(tiny_models, tmp_path):
+    program = torch.export.load(str(export_bert(tiny_models["bert"], tmp_path / "bert.pt2")))
+    package = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "bert.aoti.pt2"))
+    (artifact,) = find_artifacts(Path(package))
+    assert artifact.target == "aoti" and [p.name for p in artifact.inputs] == ["input_ids", "attention_mask"]
+    done = run_check(package, "--against", tiny_models["bert"], "--out", tmp_path / "out")
+    assert done.returncode == 0, done.stderr[-3000:]
+    verified = subprocess.run([sys.executable, "-m", "exporter", "verify", str(tmp_path / "out")],
+                              capture_output=True, text=True, check=False)
+    assert verified.returncode == 0, verified.stderr[-2000:]
+
+
+def test_a_transformers_exporters_folder_passes(tiny_models, tmp_path):
+    exporters = pytest.importorskip("transformers.exporters")
+    from transformers import BertModel
+
+    model = BertModel.from_pretrained(tiny_models["bert"], attn_implementation="sdpa").eval()
+    ids = torch.randint(0, 1000, (2, 16))
+    exported = exporters.DynamoExporter().export(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                                                 config=exporters.DynamoConfig(dynamic=True))
+    exported.save_pretrained(tmp_path / "exported")
+    (artifact,) = find_artifacts(tmp_path / "exported")
+    assert artifact.made_by == "transformers.exporters"
+    done = run_check(tmp_path / "exported", "--against", tiny_models["bert"], "--out", tmp_path / "out")
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_float16_onnx_is_judged_in_its_own_dtype(tiny_models, tmp_path):
+    from transformers import BertModel
+
+    model = BertModel.from_pretrained(tiny_models["bert"], attn_implementation="sdpa").eval().half()
+    ids = torch.randint(0, 1000, (2, 16))
+    path = tmp_path / "fp16" / "model.onnx"
+    path.parent.mkdir()
+    torch.onnx.export(model, (), str(path), kwargs={"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                      input_names=["input_ids", "attention_mask"], output_names=["last_hidden_state", "pooler_output"],
+                      dynamic_shapes={"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}},
+                      dynamo=True)
+    done = run_check(path, "--against", tiny_models["bert"], "--out", tmp_path / "out")
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    (entry,) = report["artifacts"]
+    assert entry["dtype"] == "float16" and report["recipe"]["dtype"] == "float32"
+    assert entry["numerics"]["baseline"].endswith("float16)")
+    assert any("computes in float16" in n for n in entry["notes"])
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------- pieces
+
+
+def test_module_scopes_map_onnx_values_to_module_paths():
+    import onnx
+    from onnx import helper
+
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["a"], name="/encoder/layer.0/attention/self/query/MatMul"),
+             helper.make_node("Add", ["a", "b"], ["c"], name="/encoder/layer.0/attention/self/query/Add"),
+             helper.make_node("Relu", ["c"], ["d"], name="/encoder/layer.0/output/Relu")]
+    graph = helper.make_graph(nodes, "g", [], [])
+    values = scope_values(onnx.ModelProto(graph=graph))
+    assert values["encoder.layer.0.attention.self.query"] == "c"
+    assert values["encoder.layer.0"] == "d" and values["encoder"] == "d"
+
+
+def test_spec_types_name_the_modules_to_import():
+    spec = '[1, {"type": "transformers.modeling_outputs.BaseModelOutput", "context": "[]", "children_spec": []}]'
+    assert spec_modules(spec, '[1, {"type": "builtins.tuple"}]') == ("transformers.modeling_outputs",)
+
+
+def test_an_earlier_exporter_folder_is_judged_again_artifact_by_artifact(tiny_models, tmp_path):
+    recipe = tmp_path / "quick.toml"
+    recipe.write_text('schema_version = 1\n[targets]\nbuild = ["exported_program", "onnx"]\n'
+                      '[bench]\nwarmup = 0\nrounds = 1\niterations = 1\n')
+    converted = subprocess.run([sys.executable, "-m", "exporter", "convert", str(tiny_models["bert"]), "--recipe",
+                                str(recipe), "--out", str(tmp_path / "run"), "-q"], capture_output=True, text=True,
+                               check=False)
+    assert converted.returncode == 0, converted.stderr[-2000:]
+    artifacts = find_artifacts(tmp_path / "run")
+    assert {(a.name, a.made_by) for a in artifacts} == {("exported_program", "exporter"), ("onnx", "exporter")}
+    done = run_check(tmp_path / "run", "--against", tiny_models["bert"], "--out", tmp_path / "out")
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert sorted(a["name"] for a in report["artifacts"]) == ["exported_program", "onnx"]
+    assert all(a["status"] == "ok" for a in report["artifacts"])
+
+
+def test_a_static_artifact_pins_the_dims_and_says_so(tiny_models):
+    """A static ONNX file is judged at its own shapes: the recipe's dims are pinned to them, with a note."""
+    from exporter.check.artifacts import Artifact, Port
+    from exporter.check.mapping import map_inputs
+    from exporter.checkpoint import load_model
+    from exporter.recipe import load_recipe
+
+    model = load_model(tiny_models["bert"], None, False).model
+    static = Artifact("onnx", "onnx", tiny_models["bert"] / "model.onnx", "ONNX",
+                      [Port("input_ids", "int64", (3, 24)), Port("attention_mask", "int64", (3, 24))],
+                      [Port("last_hidden_state", "float32", (3, 24, 64))])
+    recipe, notes = map_inputs(static, model, load_recipe("cpu-fp32"))
+    dims = {d.name: d for d in recipe.inputs.dims}
+    assert (dims["batch"].size, dims["batch"].dynamic) == (3, False)
+    assert (dims["sequence"].size, dims["sequence"].dynamic) == (24, False)
+    assert any("fixes it at 24" in n and "judged at that size only" in n for n in notes), notes
+    wrong = Artifact("onnx", "onnx", static.path, "ONNX", [Port("input_ids", "int64", (3, 24, 1))], [])
+    with pytest.raises(Exception, match="has 3 axes, the model's has 2"):
+        map_inputs(wrong, model, load_recipe("cpu-fp32"))
