@@ -60,12 +60,16 @@ def import_spec_types(modules: tuple[str, ...] | None) -> None:
             importlib.import_module(module)
 
 
-def named_call(fn: Any, keywords: tuple[str, ...] | None, outputs: tuple[str, ...] | None):
-    """``fn`` (a program or package another tool made) behind the positional convention: called with its inputs by
-    name when ``keywords`` are given, its outputs picked by name when ``outputs`` are (else all, in order)."""
+def named_call(fn: Any, keywords: tuple[str, ...] | None, outputs: tuple[str, ...] | None, positional: int = 0):
+    """``fn`` (a program or package another tool made) behind the positional convention: called with its first
+    ``positional`` inputs by position and the rest by the names ``keywords`` gives, when it takes keywords; its
+    outputs picked by name when ``outputs`` are given (else all, in order)."""
 
     def call(args: list[torch.Tensor]) -> list[torch.Tensor]:
-        result = fn(**dict(zip(keywords, args))) if keywords else fn(*args)
+        if keywords:
+            result = fn(*args[:positional], **dict(zip(keywords, args[positional:])))
+        else:
+            result = fn(*args)
         named = flatten_outputs(result)
         if not outputs:
             return [t for _, t in named]

@@ -299,3 +299,54 @@ def test_a_static_artifact_pins_the_dims_and_says_so(tiny_models):
     wrong = Artifact("onnx", "onnx", static.path, "ONNX", [Port("input_ids", "int64", (3, 24, 1))], [])
     with pytest.raises(Exception, match="has 3 axes, the model's has 2"):
         map_inputs(wrong, model, load_recipe("cpu-fp32"))
+
+
+def test_a_symlinked_optimum_folder_judges_its_model_onnx_only(optimum, tiny_models, tmp_path):
+    """A hub cache's snapshot is a folder of symlinks; a quantized variant beside model.onnx is left out, noted."""
+    linked = tmp_path / "snapshot"
+    linked.mkdir()
+    for file in optimum["bert"].iterdir():
+        (linked / file.name).symlink_to(file)
+    shutil.copy(optimum["bert"] / "model.onnx", tmp_path / "model_quantized.onnx")
+    (linked / "model_quantized.onnx").symlink_to(tmp_path / "model_quantized.onnx")
+    (artifact,) = find_artifacts(linked)
+    assert artifact.path.name == "model.onnx" and any("left out: model_quantized.onnx" in n for n in artifact.notes)
+    done = run_check(linked, "--against", tiny_models["bert"], "--out", tmp_path / "out")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "out" / "artifact" / "model.onnx").is_file()
+    assert not (tmp_path / "out" / "artifact" / "model_quantized.onnx").exists()
+
+
+def test_a_program_taking_positional_and_keyword_inputs_is_called_as_it_was_exported(tiny_models, tmp_path):
+    from transformers import BertModel
+
+    model = BertModel.from_pretrained(tiny_models["bert"], attn_implementation="sdpa").eval()
+    ids = torch.randint(0, 1000, (2, 16))
+    batch, seq = torch.export.Dim("batch", min=1, max=16), torch.export.Dim("seq", min=2, max=128)
+    program = torch.export.export(model, (ids,), {"attention_mask": torch.ones_like(ids)},
+                                  dynamic_shapes={"input_ids": {0: batch, 1: seq},
+                                                  "attention_mask": {0: batch, 1: seq}})
+    torch.export.save(program, str(tmp_path / "mixed.pt2"))
+    artifact = describe_pt2(tmp_path / "mixed.pt2")
+    assert (artifact.call, artifact.positional) == ("keyword", 1)
+    assert [p.name for p in artifact.inputs] == ["input_ids", "attention_mask"]
+    done = run_check(tmp_path / "mixed.pt2", "--against", tiny_models["bert"], "--out", tmp_path / "out")
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_outputs_without_the_models_names_are_compared_in_order(tiny_models, tmp_path):
+    from transformers import BertModel
+
+    model = BertModel.from_pretrained(tiny_models["bert"], attn_implementation="sdpa").eval()
+    ids = torch.randint(0, 1000, (2, 16))
+    path = tmp_path / "unnamed.onnx"
+    torch.onnx.export(model, (), str(path), kwargs={"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                      dynamic_shapes={"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}},
+                      dynamo=True)
+    (artifact,) = find_artifacts(path)
+    assert not {p.name for p in artifact.outputs} & {"last_hidden_state", "pooler_output"}
+    done = run_check(path, "--against", tiny_models["bert"], "--out", tmp_path / "out")
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["outputs"] == ["last_hidden_state", "pooler_output"]
+    assert any("compared with the model's" in n for n in report["inputs"]["notes"])

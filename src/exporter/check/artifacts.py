@@ -4,13 +4,13 @@ An artifact is described from its own files, without running it and without load
 model's graph inputs and outputs (names, element types, ``dim_value`` / ``dim_param``), a torch.export ``.pt2``'s
 serialized program (``models/*.json``: the call spec's argument names, each placeholder's dtype and symbolic
 sizes, the range constraints), an AOTInductor package's call spec (names only: a package does not declare
-shapes or dtypes; its output dtype is read from its first run). A folder is recognised by what it holds:
+shapes or dtypes, so it is judged in the recipe's dtype). A folder is recognised by what it holds:
 
 * an exporter output folder (``manifest.json`` and ``report.json``): every artifact its report lists;
 * a transformers ``exporters`` folder (``model.pt2`` or ``model.onnx`` with its export manifest);
 * a Hugging Face Optimum ONNX export: ``model.onnx`` (an encoder, a vision model, or a decoder with past inputs
-  ``past_key_values.N.key``), or ``decoder_model.onnx`` with ``decoder_with_past_model.onnx``, or
-  ``decoder_model_merged.onnx``;
+  ``past_key_values.N.key``; other ``*.onnx`` beside it, quantized variants, are left out and noted), or
+  ``decoder_model.onnx`` with ``decoder_with_past_model.onnx``, or ``decoder_model_merged.onnx``;
 * otherwise every ``*.onnx`` and ``*.pt2`` in it.
 """
 
@@ -52,19 +52,23 @@ class Past:
 class Artifact:
     name: str  # the candidate's name in the report
     target: str  # the target whose loader runs it: onnx, exported_program, aoti
-    path: Path  # the file (the prefill file's folder for a split decoder)
+    path: Path  # the file (the next-token step's file for a split decoder)
     made_by: str
     inputs: list[Port]
     outputs: list[Port]
     files: list[Path] = field(default_factory=list)  # every file it reads (external data included)
-    call: str = "positional"  # how it takes its inputs: positional, or keyword (by name)
+    call: str = "positional"  # how it takes its inputs: positional, or keyword (by name, after ``positional``)
+    positional: int = 0  # with call "keyword": how many inputs come first, by position
     imports: tuple[str, ...] = ()  # modules whose pytree types its call spec names (ModelOutput classes)
     past: Past | None = None
     notes: list[str] = field(default_factory=list)
+    computes: str | None = None  # the dtype its weights are in, where it differs from its inputs' and outputs'
 
     @property
     def dtype(self) -> str | None:
-        """The floating dtype it computes in, from what it declares (None: read from its first run)."""
+        """The floating dtype it computes in, from what it declares (None: it does not say)."""
+        if self.computes:
+            return self.computes
         for ports in (self.outputs, self.inputs):
             for port in ports:
                 if port.dtype in ("float32", "float16", "bfloat16", "float64"):
@@ -116,7 +120,20 @@ def describe_onnx(path: Path, made_by: str = "ONNX", name: str = "onnx") -> Arti
     if missing:
         raise UsageError(f"{path} keeps its weights in {missing[0].name}, which is not beside it",
                          "copy the whole export folder (the .onnx file and its .data files)")
-    return Artifact(name, "onnx", path, made_by, inputs, outputs, onnx_files(path, proto))
+    artifact = Artifact(name, "onnx", path, made_by, inputs, outputs, onnx_files(path, proto))
+    weights: dict[str, int] = {}
+    for tensor in proto.graph.initializer:  # the dtype it computes in: its weights' (float16 with float32 I/O)
+        kind = ONNX_TYPES.get(tensor.data_type, "")
+        if kind in ("float16", "bfloat16", "float32", "float64"):
+            size = 1
+            for d in tensor.dims:
+                size *= int(d)
+            weights[kind] = weights.get(kind, 0) + size
+    computes = max(weights, key=lambda k: weights[k]) if weights else None
+    if computes and computes != artifact.dtype and computes in ("float16", "bfloat16"):
+        artifact.computes = computes
+        artifact.notes.append(f"its weights are {computes} (inputs and outputs {artifact.dtype}): judged in {computes}")
+    return artifact
 
 
 # --------------------------------------------------------------------------- torch.export and AOTInductor
@@ -126,12 +143,12 @@ SERIALIZED_TYPES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6
                     8: "float64", 12: "bool", 13: "bfloat16"}
 
 
-def _spec_names(serialized: str) -> tuple[list[str], list[str], int]:
+def _spec_names(serialized: str) -> tuple[list[str], int]:
     """From a serialized call spec ``(args, kwargs)``: keyword names, and how many positional arguments."""
     _, tree = json.loads(serialized)
     args, kwargs = tree["children_spec"]
     names = json.loads(kwargs["context"]) if kwargs.get("context") not in (None, "null") else []
-    return [str(n) for n in names], [], len(args["children_spec"])
+    return [str(n) for n in names], len(args["children_spec"])
 
 
 def _out_names(serialized: str) -> list[str] | None:
@@ -192,7 +209,7 @@ def describe_program(path: Path, archive: zipfile.ZipFile, made_by: str, name: s
     call_graph = graph_module.get("module_call_graph") or []
     in_spec = (call_graph[0].get("signature") or {}).get("in_spec") if call_graph else None
     out_spec = (call_graph[0].get("signature") or {}).get("out_spec") if call_graph else None
-    keywords, _, positional = _spec_names(in_spec) if in_spec else ([], [], len(user_inputs))
+    keywords, positional = _spec_names(in_spec) if in_spec else ([], len(user_inputs))
     # positional arguments come first (named as their placeholders), then the keyword ones
     names = user_inputs[:positional] + keywords
     inputs = [port(n, t) for n, t in zip(names, user_inputs)]
@@ -201,7 +218,8 @@ def describe_program(path: Path, archive: zipfile.ZipFile, made_by: str, name: s
     params = [values.get(s["parameter"]["arg"]["name"], {}).get("dtype") for s in signature["input_specs"]
               if "parameter" in s]
     artifact = Artifact(name, "exported_program", path, made_by, inputs, outputs, [path],
-                        call="keyword" if keywords else "positional", imports=spec_modules(in_spec, out_spec))
+                        call="keyword" if keywords else "positional", positional=positional if keywords else 0,
+                        imports=spec_modules(in_spec, out_spec))
     floats = [SERIALIZED_TYPES.get(d) for d in params if SERIALIZED_TYPES.get(d, "").startswith(("float", "bf"))]
     if floats and not any(p.dtype and p.dtype.startswith(("float", "bf")) for p in inputs):
         artifact.outputs = [Port(p.name, p.dtype or floats[0], p.axes, p.bounds) for p in outputs]
@@ -221,19 +239,17 @@ def describe_package(path: Path, archive: zipfile.ZipFile, made_by: str, name: s
     inputs: list[Port] = []
     outputs: list[Port] = []
     call = "positional"
+    positional = 0
     if in_spec:
-        keywords, _, positional = _spec_names(in_spec)
-        if keywords:
-            call = "keyword"
-        inputs = [Port(n, None, None) for n in keywords] if keywords else []
-        if positional and not keywords:
-            inputs = [Port(f"arg{i}", None, None) for i in range(positional)]
+        keywords, positional = _spec_names(in_spec)
+        inputs = [Port(f"arg{i}", None, None) for i in range(positional)] + [Port(n, None, None) for n in keywords]
+        call = "keyword" if keywords else "positional"
     if out_spec:
         outputs = [Port(n, None, None) for n in (_out_names(out_spec) or [])]
     artifact = Artifact(name, "aoti", path, made_by, inputs, outputs, [path], call=call,
-                        imports=spec_modules(in_spec, out_spec))
-    artifact.notes.append("an AOTInductor package declares its argument names but not its shapes: it is run at the "
-                          "recipe's shapes")
+                        positional=positional if call == "keyword" else 0, imports=spec_modules(in_spec, out_spec))
+    artifact.notes.append("an AOTInductor package declares its argument names but not its shapes or dtype: it is "
+                          "run at the recipe's shapes and judged in the recipe's dtype")
     return artifact
 
 
@@ -290,6 +306,11 @@ def _exporter_folder(folder: Path) -> list[Artifact]:
                     else describe_pt2(file, made_by, entry["name"]))
         # every file the run recorded for it (an AOTInductor package's weights kept beside it, ONNX data)
         recorded = [folder / f["path"] for f in entry.get("files") or [] if (folder / f["path"]).is_file()]
+        names = report.get("outputs") or []
+        if names and len(artifact.outputs) == len(names):  # the run's own names for a tuple's outputs
+            artifact.outputs = [Port(n, p.dtype, p.axes, p.bounds) for n, p in zip(names, artifact.outputs)]
+        elif names and not artifact.outputs:
+            artifact.outputs = [Port(n, None, None) for n in names]
         artifact.files = list(dict.fromkeys([*artifact.files, *recorded]))
         found.append(artifact)
     return found
@@ -328,8 +349,17 @@ def find_artifacts(path: Path) -> list[Artifact]:
         return [_with_past(merged, merged=True)]
     if all((path / f).is_file() for f in OPTIMUM_SPLIT):
         decode = describe_onnx(path / OPTIMUM_SPLIT[1], "Optimum", "onnx:decoder_with_past")
+        prompt = describe_onnx(path / OPTIMUM_SPLIT[0], "Optimum", "onnx:decoder")
+        decode.files = list(dict.fromkeys([*decode.files, *prompt.files]))
         return [_with_past(decode, prefill=path / OPTIMUM_SPLIT[0])]
     optimum = (path / "config.json").is_file()
+    if optimum and (path / "model.onnx").is_file():
+        main = _with_past(describe_onnx(path / "model.onnx", "Optimum", "onnx"))
+        others = sorted(f.name for f in path.glob("*.onnx") if f.name != "model.onnx")
+        if others:
+            main.notes.append(f"left out: {', '.join(others)} (an Optimum folder's model is model.onnx; pass "
+                              "another file to check it)")
+        return [main]
     found = [_with_past(describe_onnx(f, "Optimum" if optimum else "ONNX", f"onnx:{f.stem}"))
              for f in sorted(path.glob("*.onnx"))]
     found += [describe_pt2(f, name=f"{f.stem}") for f in sorted(path.glob("*.pt2"))]

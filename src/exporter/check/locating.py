@@ -64,10 +64,9 @@ def in_onnx(path: Path, calls, original: IOModule, sample: list[torch.Tensor], n
         options.log_severity_level = 3
         session = ort.InferenceSession(str(copy), sess_options=options, providers=["CPUExecutionProvider"])
         args = [(t.to(dtype) if t.is_floating_point() else t) for t in sample]
-        feeds = {i.name: np.ascontiguousarray(a.cpu().numpy()) for i, a in zip(session.get_inputs(), args)}
         by_name = dict(zip(names, args))
-        feeds = {i.name: np.ascontiguousarray(by_name[i.name].cpu().numpy()) for i in session.get_inputs()} \
-            if all(i.name in by_name for i in session.get_inputs()) else feeds
+        feeds = {i.name: np.ascontiguousarray((by_name[i.name] if i.name in by_name else a).cpu().numpy())
+                 for i, a in zip(session.get_inputs(), args)}
         fetched = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
     finally:
         copy.unlink(missing_ok=True)
@@ -108,9 +107,10 @@ def locate_artifact(result: VariantResult, artifact: Artifact, path: Path, origi
         elif artifact.target == "exported_program":
             program = torch.export.load(str(path))
             prefix = "model." if artifact.made_by == "exporter" else ""
-            keywords = tuple(p.name for p in artifact.inputs) if artifact.call == "keyword" else None
+            keywords = names[artifact.positional:] if artifact.call == "keyword" else None
             entry = in_program(program, calls, original, sample, device, dtype, k, floor,
-                               recipe.runtime.attention_backend, prefix=prefix, keywords=keywords)
+                               recipe.runtime.attention_backend, prefix=prefix, keywords=keywords,
+                               positional=artifact.positional)
             found["graph"] = {"replayed": "the program's submodules (torch.export.unflatten), run end to end",
                               **entry}
         else:

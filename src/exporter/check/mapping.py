@@ -21,8 +21,6 @@ from ..modelio import forward_parameters
 from ..recipe import Dim, Recipe, TensorSpec
 from .artifacts import Artifact, Port
 
-GENERATED_EXTRA = ("token_type_ids", "position_ids")
-
 
 def _extra_spec(name: str, model: nn.Module, like: TensorSpec | None) -> TensorSpec | None:
     """A spec for an input the config's defaults do not generate but the artifact takes."""
@@ -37,8 +35,7 @@ def _extra_spec(name: str, model: nn.Module, like: TensorSpec | None) -> TensorS
 
 def _mismatch(what: str, artifact: Artifact, model: nn.Module) -> UsageError:
     return UsageError(f"{artifact.name} ({artifact.path.name}) does not fit {type(model).__name__}: {what}",
-                      "check it against the checkpoint it was exported from (--against), or declare the inputs "
-                      "with --input")
+                      "check it against the checkpoint it was exported from (--against)")
 
 
 def map_inputs(artifact: Artifact, model: nn.Module, recipe: Recipe) -> tuple[Recipe, list[str]]:
@@ -59,6 +56,9 @@ def map_inputs(artifact: Artifact, model: nn.Module, recipe: Recipe) -> tuple[Re
                             f"{', '.join(order)}", artifact, model)
         ports = [Port(n, None, None) for n in order]
         notes.append(f"the artifact does not name its inputs: given {', '.join(order)} in that order")
+    if artifact.positional:  # a package's leading positional arguments: the forward's first parameters
+        ports = [Port(params[i], p.dtype, p.axes, p.bounds) if i < artifact.positional and i < len(params) else p
+                 for i, p in enumerate(ports)]
     unknown = [p.name for p in ports if p.name not in params]
     if unknown:
         raise _mismatch(f"it takes {', '.join(unknown)}, which {type(model).__name__}.forward does not (it takes "
@@ -124,7 +124,7 @@ def map_outputs(artifact: Artifact, model_outputs: tuple[str, ...]) -> tuple[tup
     notes: list[str] = []
     if not names:
         return model_outputs, ["the artifact does not name its outputs: compared with the model's, in order"]
-    if all(n.startswith("output_") for n in names) and not set(names) & set(model_outputs):
+    if not set(names) & set(model_outputs):  # generated names (output_0, a graph value's number): by position
         if len(names) > len(model_outputs):
             raise UsageError(f"{artifact.name} returns {len(names)} outputs, the model {len(model_outputs)} "
                              f"({', '.join(model_outputs)})", "check it against the checkpoint it was exported from")

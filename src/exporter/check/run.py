@@ -9,7 +9,7 @@ later. The gate is convert's (``numerics/``): a float64 run of the checkpoint's 
 ``rmse <= k * rmse(eager in the artifact's dtype) + floor`` per sample and output, the shape grid within the
 artifact's own dynamic dims, the first divergent module (ONNX: its intermediate values, by module scope;
 ``.pt2``: its unflattened submodules). A decoder with past (Optimum's ``text-generation-with-past``) is judged
-step by step: not yet (refused with that reason; docs/check.md).
+step by step (:mod:`exporter.check.past`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from ..prepare import original_module
 from ..progress import Progress
 from ..quiet import quiet_libraries
 from ..recipe import Recipe, public_source, resolve_recipe
-from ..results import NUMERICS_FAILED, VariantResult
+from ..results import NUMERICS_FAILED, VariantResult, ratio
 from ..targets.spec import RunnerSpec
 from .artifacts import Artifact, find_artifacts
 from .locating import locate_artifact
@@ -64,28 +64,33 @@ def default_out(artifact: Path, recipe: Recipe) -> Path:
 
 
 def keep(artifact: Artifact, staging: Path, source_root: Path) -> tuple[Path, list[Path]]:
-    """Copy (hard-link where possible) the artifact's files into ``staging/artifact``: its path there (relative to
-    ``staging``) and every file it reads there."""
+    """Copy (hard-link where possible) the artifact's files into ``staging/artifact``, under the names they have
+    beside it (a symlinked file, as in a hub cache's snapshot, is copied as what it points to): its path there
+    (relative to ``staging``) and every file it reads there."""
     base = source_root if source_root.is_dir() else source_root.parent
+
+    def inside(file: Path) -> Path:
+        return Path(os.path.abspath(file)).relative_to(base)
+
     kept = []
     for file in dict.fromkeys(artifact.files + ([artifact.past.prefill] if artifact.past else [])):
-        target = staging / FOLDER / file.resolve().relative_to(base)
+        target = staging / FOLDER / inside(file)
         kept.append(target)
         if target.exists():
             continue
         target.parent.mkdir(parents=True, exist_ok=True)
         try:
-            os.link(file, target)
+            os.link(os.path.realpath(file), target)
         except OSError:
             shutil.copy2(file, target)
-    return (staging / FOLDER / artifact.path.resolve().relative_to(base)).relative_to(staging), kept
+    return (staging / FOLDER / inside(artifact.path)).relative_to(staging), kept
 
 
 def runner_spec(artifact: Artifact, path: Path, device: str, dtype: str, signature: Signature,
                 backend: str) -> RunnerSpec:
     options: list[tuple[str, Any]] = [("named", True), ("outputs", tuple(signature.outputs))]
     if artifact.call == "keyword":
-        options.append(("keywords", tuple(signature.inputs)))
+        options += [("keywords", tuple(signature.inputs[artifact.positional:])), ("positional", artifact.positional)]
     if artifact.imports:
         options.append(("imports", artifact.imports))
     if artifact.past is not None:
@@ -140,8 +145,8 @@ def check(artifact: str | Path, against: str | Path, recipe: str | Path | Recipe
         raise CheckpointError(f"checkpoint {checkpoint} does not exist", "check the path given to --against")
     final = Path(out) if out is not None else default_out(artifact_path, recipe_obj)
     resolved = final.resolve()
-    source = artifact_path.resolve()
-    if resolved == source or source.is_relative_to(resolved):
+    source = Path(os.path.abspath(artifact_path))  # as given: a symlinked file keeps its own name
+    if resolved == source.resolve() or source.resolve().is_relative_to(resolved) or source.is_relative_to(resolved):
         raise UsageError(f"--out {final} holds the artifact being checked", "write the check to another folder")
     artifacts = find_artifacts(artifact_path)
     with interrupts.watch(), quiet_libraries(), OutputFolder(final, overwrite=overwrite,
@@ -213,7 +218,7 @@ class CheckRun:
             if past is not None and past.past is not None:
                 signature = Signature(INPUTS, output_names(past.past.layers))
             else:
-                produced = discover_outputs(loaded.model, plan.samples[0])
+                produced = discover_outputs(loaded.model, plan.samples[0], recipe.model.outputs)
                 outputs, out_notes = map_outputs(self.artifacts[0], produced)
                 plan.notes += out_notes
                 signature = Signature(plan.names, outputs)
@@ -247,12 +252,15 @@ class CheckRun:
                                  "bytes": p.stat().st_size} for p in kept]
                 spec = runner_spec(artifact, self.staging / path, device, own, signature,
                                    recipe.runtime.attention_backend)
-                if artifact.target == "onnx" and spec.option("provider") == "CPUExecutionProvider":
-                    result.device = "cpu"
+                if artifact.target == "onnx":
+                    result.graph = {"provider": spec.option("provider")}
+                    if spec.option("provider") == "CPUExecutionProvider":
+                        result.device = "cpu"
                 result.info["made_by"] = artifact.made_by
                 # how verify loads it again: by name, as here
                 result.info["load"] = {k: list(v) if isinstance(v, tuple) else v for k, v in spec.options
-                                       if k in ("named", "keywords", "outputs", "imports", "past")}
+                                       if k in ("named", "keywords", "positional", "outputs", "imports", "past",
+                                                  "provider")}
                 results.append(result)
                 runner = validation.remote(result, spec)
                 if runner is not None:
@@ -288,8 +296,9 @@ class CheckRun:
 
 
 def _worst_sample(result: VariantResult) -> int:
+    """The failing sample furthest over its bar (localisation runs on it)."""
     failures = result.numerics.failures if result.numerics is not None else []
-    return failures[0].sample if failures else 0
+    return max(failures, key=ratio).sample if failures else 0
 
 
 

@@ -55,13 +55,13 @@ def baseline_store(original: IOModule, calls: list[Call], args: list[torch.Tenso
 
 def in_program(program, calls: list[Call], original: IOModule, sample: list[torch.Tensor], device: str,
                dtype: torch.dtype, k: float, atol, backend: str = "auto", prefix: str = "model.",
-               keywords: tuple[str, ...] | None = None) -> dict:
+               keywords: tuple[str, ...] | None = None, positional: int = 0) -> dict:
     """Run ``program`` unflattened, end to end, and compare each submodule's output with the reference's.
 
     ``prefix`` maps a path inside the model to the program's (it was exported from the IOModule, whose
     model is its ``model`` attribute; a program another tool exported from the model itself has none).
-    ``keywords``: the program takes its inputs by these names. The bar of each module is the eager model's
-    own error there.
+    ``keywords``: the program takes its inputs after the first ``positional`` by these names. The bar of
+    each module is the eager model's own error there.
     """
     unflat = torch.export.unflatten(program)
     wanted = {prefix + c.path for c in calls}
@@ -70,7 +70,7 @@ def in_program(program, calls: list[Call], original: IOModule, sample: list[torc
     with torch.inference_mode():
         with hooks_on(unflat, wanted, None, recorder(graph, len(prefix))), backend_context(backend, device):
             if keywords:
-                unflat(**dict(zip(keywords, args)))
+                unflat(*args[:positional], **dict(zip(keywords, args[positional:])))
             else:
                 unflat(*args)
     return first_divergent(calls, graph, baseline_store(original, calls, args, device, dtype, backend), k, atol)

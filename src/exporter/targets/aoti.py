@@ -125,7 +125,8 @@ def load(spec: RunnerSpec) -> Loaded:
         return _load_graphed(spec)
     import_spec_types(spec.option("imports"))  # a foreign program's ModelOutput types, registered first
     runner = load_package(spec.file())
-    inner = named_call(runner, spec.option("keywords"), spec.option("outputs")) if spec.option("named") else None
+    inner = named_call(runner, spec.option("keywords"), spec.option("outputs"),
+                                spec.option("positional", 0)) if spec.option("named") else None
 
     def call(args):
         return inner(args) if inner is not None else _as_list(runner(*args))

@@ -112,7 +112,8 @@ def load(spec: RunnerSpec) -> Loaded:
     program = torch.export.load(spec.file())
     module = program.module()
     # a program another tool exported (exporter check): called by name, its outputs picked by name
-    inner = named_call(module, spec.option("keywords"), spec.option("outputs")) if spec.option("named") else None
+    inner = named_call(module, spec.option("keywords"), spec.option("outputs"),
+                       spec.option("positional", 0)) if spec.option("named") else None
 
     def call(args):
         with backend_context(spec.attention_backend, spec.device):

@@ -420,10 +420,18 @@ def load_past_steps(spec: RunnerSpec) -> Loaded:
                 feeds[entry.name] = np.zeros(shape, dtype=numpy_types.get(entry.type, np.float32))
         return feeds
 
+    integer_types = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_}
+
     def run(session, feeds: dict[str, Any]) -> dict[str, np.ndarray]:
-        wanted = {i.name for i in session.get_inputs()}
-        given = {k: np.ascontiguousarray(v.cpu().numpy() if isinstance(v, torch.Tensor) else v)
-                 for k, v in feeds.items() if k in wanted}
+        """One step: each feed the session takes, in the element type it declares (int32 ids, a bool mask)."""
+        declared = {i.name: i.type for i in session.get_inputs()}
+        given = {}
+        for name, value in feeds.items():
+            if name not in declared:
+                continue
+            array = np.asarray(value.cpu().numpy() if isinstance(value, torch.Tensor) else value)
+            kind = integer_types.get(declared[name])
+            given[name] = np.ascontiguousarray(array.astype(kind) if kind is not None else array)
         return dict(zip([o.name for o in session.get_outputs()], session.run(None, given)))
 
     def step_outputs(found: dict[str, np.ndarray]) -> list[torch.Tensor]:
@@ -435,14 +443,12 @@ def load_past_steps(spec: RunnerSpec) -> Loaded:
     def call(args: list[torch.Tensor]) -> list[torch.Tensor]:
         input_ids, mask, next_ids = args
         prompt, following, position = step_positions(mask)
-        kind = next((i.type for i in decode.get_inputs() if i.name == "attention_mask"), "tensor(int64)")
-        mask_type = torch.int32 if kind == "tensor(int32)" else torch.int64
-        first = run(prefill, {"input_ids": input_ids, "attention_mask": mask.to(mask_type), "position_ids": prompt,
+        first = run(prefill, {"input_ids": input_ids, "attention_mask": mask, "position_ids": prompt,
                               **empty_cache(prefill, int(input_ids.shape[0])),
                               **({"use_cache_branch": np.array([False])} if merged else {})})
         cache = {f"past_key_values.{layer}.{part}": first[f"present.{layer}.{part}"]
                  for layer in range(layers) for part in ("key", "value")}
-        second = run(decode, {"input_ids": next_ids, "attention_mask": following.to(mask_type),
+        second = run(decode, {"input_ids": next_ids, "attention_mask": following,
                               "position_ids": position, **cache,
                               **({"use_cache_branch": np.array([True])} if merged else {})})
         return step_outputs(first) + step_outputs(second)
