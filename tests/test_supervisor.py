@@ -128,9 +128,11 @@ def test_the_parent_hears_a_stage_before_its_line_shows(monkeypatch):
     written to the pipe before the line is printed, and the enclosing stage is told again when an inner one ends."""
     import os
 
+    from exporter import interrupts
     from exporter.progress import Progress
     from exporter.supervisor import ENV
 
+    monkeypatch.setattr(interrupts, "_received", None)  # a signal an earlier test sent stays recorded until a watch
     read_fd, write_fd = os.pipe()
     monkeypatch.setenv(ENV, str(write_fd))
     heard_at_print: list[str] = []
