@@ -10,7 +10,15 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-from exporter.errors import EXIT_CODES, EXIT_INTEGRITY, EXIT_NUMERICS, EXIT_OK, EXIT_TARGET, VERIFY_PRECEDENCE  # noqa: E402
+from exporter.errors import (  # noqa: E402
+    BATCH_PRECEDENCE,
+    EXIT_CODES,
+    EXIT_INTEGRITY,
+    EXIT_NUMERICS,
+    EXIT_OK,
+    EXIT_TARGET,
+    VERIFY_PRECEDENCE,
+)
 
 DOC = ROOT / "docs" / "exit-codes.md"
 
@@ -51,6 +59,15 @@ def render() -> str:
         f"numbers ({EXIT_NUMERICS}), which outrank an artifact that no longer runs ({EXIT_TARGET}). A changed "
         "artifact is never loaded. Each problem is one line on stderr, `error: <subject>: <what is wrong>. Fix: "
         "<what to do>.`; `--junit FILE` records every check.",
+        "",
+        "## `exporter batch`",
+        "",
+        f"`exporter batch PLAN` ([batch.md](batch.md)) exits {EXIT_OK} when every cell passed (a cell finished in an "
+        "earlier run counts as passed), 2 when the plan has problems (all are listed, nothing runs), and otherwise "
+        "with its worst cell's code, worst first: " + ", ".join(str(c) for c in BATCH_PRECEDENCE) + ": a stopped "
+        "batch (SIGINT, SIGTERM) outranks every cell, a bug (1) comes next, then as in `convert` and `verify` wrong "
+        f"numbers ({EXIT_NUMERICS}) outrank a target that could not be built ({EXIT_TARGET}), which outranks a cell "
+        "that could not run here (5) or was given a bad checkpoint (2). Each cell's own code is in `batch.json`.",
         "",
         "Every error is one line on stderr, `error: <what is wrong>. Fix: <what to do>.`; with `EXPORTER_DEBUG=1` "
         "the traceback comes first. The catalogue of bad inputs and what each prints: [errors.md](errors.md).",

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from .errors import ExporterError
 
-__all__ = ["convert", "inspect", "check_artifact", "verify", "validate_folder", "load_recipe", "ExporterError"]
+__all__ = ["convert", "inspect", "check_artifact", "run_batch", "verify", "validate_folder", "load_recipe",
+           "ExporterError"]
 
 
 def __dir__() -> list[str]:
@@ -27,6 +28,10 @@ def __getattr__(name: str):  # keep `import exporter` light: torch loads on firs
         from .check import check
 
         return check
+    if name == "run_batch":  # exporter batch (the name ``batch`` is its package's)
+        from .batch import batch
+
+        return batch
     if name == "verify":
         from .verify import verify
 

@@ -7,7 +7,6 @@ one call here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,19 +26,10 @@ from .progress import Progress
 from .quiet import quiet_libraries
 from .recipe import Recipe, resolve_recipe
 from .report.assemble import checkpoint_dtypes
+from .results import RunResult
 from .rewrite import rewrite_attention
 
-
-@dataclass
-class ConvertResult:
-    out: Path
-    report: dict[str, Any]
-    exit_code: int
-    problems: list[str] = field(default_factory=list)
-
-    @property
-    def passed(self) -> bool:
-        return bool(self.report.get("passed"))
+ConvertResult = RunResult  # what convert returns (``exporter.check_artifact`` returns the same)
 
 
 TREE_BOUND_EXTRA = 4 * 2**30  # GPU recipes: the process tree within 1.3 x the checkpoint + 4 GiB (docs/convert-time.md)

@@ -129,12 +129,7 @@ def convert(checkpoint, recipe, out, factory, inputs_file, dims, tensors, target
                          allow_pickle=allow_pickle, overwrite=overwrite, progress=progress, dims=dims,
                          tensors=tensors, rewrite=not no_rewrite, targets=targets, settings=settings, task=task,
                          command=typed_command(click.get_current_context()))
-    if as_json:
-        click.echo(json.dumps(result.report, indent=2, default=str))
-    else:
-        show_markdown((result.out / "report.md").read_text(encoding="utf-8"))
-    for line in result.problems:
-        click.echo(f"error: {line}", err=True)
+    show_result(result.report, result.out / "report.md", result.problems, as_json)
     if result.report.get("allow_drift") and any(a["status"] == "numerics_failed" for a in result.report["artifacts"]
                                                 + [result.report["rewritten"]]):
         click.echo("warning: numerics failures were allowed by --allow-drift", err=True)
@@ -158,6 +153,17 @@ def typed_command(ctx: click.Context) -> list[str]:
             for item in values:
                 options += [flag] if item is None else [flag, str(item)]
     return parts + options
+
+
+def show_result(data: dict, markdown: Path, problems: list[str], as_json: bool) -> None:
+    """What convert, check and batch print: the JSON (``--json``) or the Markdown report on stdout, then each
+    problem as an ``error:`` line on stderr."""
+    if as_json:
+        click.echo(json.dumps(data, indent=2, default=str))
+    else:
+        show_markdown(markdown.read_text(encoding="utf-8"))
+    for line in problems:
+        click.echo(f"error: {line}", err=True)
 
 
 def show_markdown(text: str, console=None) -> None:
@@ -390,12 +396,47 @@ def check(artifact, checkpoint, recipe, out, factory, dims, settings, junit, all
         from .check.cases import junit_cases
 
         junit_mod.write(junit, "exporter check", junit_cases(result.report), result.report["timings_s"]["total"])
-    if as_json:
-        click.echo(json.dumps(result.report, indent=2, default=str))
-    else:
-        show_markdown((result.out / "report.md").read_text(encoding="utf-8"))
-    for line in result.problems:
-        click.echo(f"error: {line}", err=True)
+    show_result(result.report, result.out / "report.md", result.problems, as_json)
+    click.echo(f"output: {result.out}", err=True)
+    sys.exit(result.exit_code)
+
+
+BATCH_EXAMPLES = """
+\b
+Examples:
+  exporter batch release.toml
+  exporter batch release.toml --out build/release --junit reports/exporter-batch.xml
+  exporter batch release.toml --workers 2                  # a CPU host: two cells at a time
+  exporter batch release.toml --scheduler local-cuda       # dask-cuda: a worker per GPU
+  exporter batch release.toml --scheduler tcp://head:8786  # a Dask cluster
+
+\b
+""" + exit_codes_help("batch")
+
+
+@cli.command(epilog=BATCH_EXAMPLES)
+@click.argument("plan", type=click.Path(path_type=str))
+@click.option("--out", "-o", type=click.Path(path_type=str), default=None,
+              help="Batch folder: each cell's folder inside it, batch.json, batch.md [default: artifacts/<plan>].")
+@click.option("--workers", "-w", type=int, default=None,
+              help="Cells at a time [default: one per visible GPU; 1 on a CPU host].")
+@click.option("--scheduler", default=None, metavar="ADDRESS|local|local-cuda",
+              help="Run the cells on a Dask cluster: its scheduler's address, or one started here (local: "
+                   "--workers processes; local-cuda: dask-cuda, a worker per GPU).")
+@click.option("--compile-cache", type=click.Path(path_type=str), default=None,
+              help="Inductor compile cache the cells share [default: OUT/.compile-cache].")
+@click.option("--junit", type=click.Path(path_type=str), default=None,
+              help="Also write JUnit XML: one case per cell.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress lines.")
+@click.option("--json", "as_json", is_flag=True, help="Print batch.json to stdout.")
+def batch(plan, out, workers, scheduler, compile_cache, junit, quiet, as_json):
+    """Convert every cell of PLAN (checkpoints x recipes, a TOML file: docs/batch.md), each in a process with a
+    GPU of its own, on this host or a Dask cluster; cells an earlier run finished are not run again."""
+    from .batch import batch as run_batch
+
+    result = run_batch(plan, out, workers=workers, scheduler=scheduler, junit=junit, compile_cache=compile_cache,
+                       tell=None if quiet else lambda line: click.echo(line, err=True))
+    show_result(result.summary, result.out / "batch.md", result.problems, as_json)
     click.echo(f"output: {result.out}", err=True)
     sys.exit(result.exit_code)
 

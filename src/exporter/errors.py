@@ -48,7 +48,8 @@ EXIT_CODES: tuple[ExitCode, ...] = (
              "unknown option; unknown recipe; recipe with unknown keys or bad values; checkpoint missing, damaged or "
              "not fitting the architecture; no `config.json` and no `--model`; factory that fails; inputs file with "
              "missing names or wrong shapes or dtypes; pickle without `--allow-pickle`; `--target` together with "
-             "`--set targets.build`; the checkpoint changed while convert read it (rewritten in place: refused "
+             "`--set targets.build`; for `batch`: a plan with problems (every one is listed at once); the checkpoint "
+             "changed while convert read it (rewritten in place: refused "
              "before publishing, or SIGBUS told by the supervising process); for `validate`: no "
              "`manifest.json`, an unknown `--target`, the checkpoint missing or changed since convert; for `check`: "
              "an artifact that is missing, not ONNX or `.pt2`, empty, or of another model (an input, size or "
@@ -83,6 +84,20 @@ EXIT_CODES: tuple[ExitCode, ...] = (
 
 # exporter verify: when several codes apply, the first of these wins (a changed file outranks wrong numbers)
 VERIFY_PRECEDENCE = (EXIT_INTEGRITY, EXIT_NUMERICS, EXIT_TARGET, EXIT_ENVIRONMENT, EXIT_USAGE)
+# exporter batch: the worst cell's code, in this order (a stopped batch, a bug, then as convert and verify rank
+# them: wrong numbers outrank a target that could not be built, which outranks a cell that could not run here)
+BATCH_PRECEDENCE = (EXIT_SIGINT, EXIT_SIGTERM, EXIT_INTERNAL, EXIT_NUMERICS, EXIT_TARGET, EXIT_ENVIRONMENT,
+                    EXIT_USAGE)
+
+
+def worst_code(codes) -> int:
+    """The exit code of a batch whose cells ended with ``codes``: 0 when all are 0, else the worst by
+    :data:`BATCH_PRECEDENCE` (a code outside it ranks as an internal error)."""
+    failing = [c for c in codes if c != EXIT_OK]
+    if not failing:
+        return EXIT_OK
+    rank = {code: i for i, code in enumerate(BATCH_PRECEDENCE)}
+    return min(failing, key=lambda c: rank.get(c, 2))
 
 
 def exit_codes_help(command: str = "convert") -> str:
@@ -90,6 +105,12 @@ def exit_codes_help(command: str = "convert") -> str:
     if command == "verify":
         entries = [(EXIT_OK, "verified")] + [(c, next(e.short for e in EXIT_CODES if e.code == c))
                                               for c in VERIFY_PRECEDENCE]
+    elif command == "batch":
+        entries = [(EXIT_OK, "every cell passed")] + [(c, next(e.short for e in EXIT_CODES if e.code == c))
+                                                      for c in BATCH_PRECEDENCE]
+        text = ("Exit codes: " + ", ".join(f"{code} {meaning}" for code, meaning in entries) +
+                "; a batch ends with its worst cell's code, in that order (2 also: the plan has problems).")
+        return textwrap.fill(text, width=76) + "\n"
     elif command == "read":  # commands that only read (inspect, recipes): a mistake or what the machine lacks
         entries = [(EXIT_OK, "done")] + [(c, next(e.short for e in EXIT_CODES if e.code == c))
                                          for c in (EXIT_USAGE, EXIT_ENVIRONMENT)]
@@ -152,6 +173,10 @@ class UsageError(ExporterError):
 
 class RecipeError(UsageError):
     """A recipe that cannot be found or does not validate."""
+
+
+class PlanError(UsageError):
+    """A batch plan that cannot be read or does not validate (exporter batch)."""
 
 
 class CheckpointError(UsageError):

@@ -15,6 +15,20 @@ from typing import Any, Iterable
 
 from .errors import EXIT_NUMERICS, EXIT_OK, EXIT_TARGET
 
+
+@dataclass
+class RunResult:
+    """What ``convert`` and ``check`` return: the published folder, its report, the exit code and its lines."""
+
+    out: Path
+    report: dict[str, Any]
+    exit_code: int
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.report.get("passed"))
+
 OK = "ok"
 FAILED = "failed"
 SKIPPED = "skipped"

@@ -18,7 +18,6 @@ import dataclasses
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,7 @@ from ..prepare import original_module
 from ..progress import Progress
 from ..quiet import quiet_libraries
 from ..recipe import Recipe, public_source, resolve_recipe
-from ..results import NUMERICS_FAILED, VariantResult, ratio
+from ..results import NUMERICS_FAILED, RunResult, VariantResult, ratio
 from ..targets.spec import RunnerSpec
 from .artifacts import Artifact, find_artifacts
 from .locating import locate_artifact
@@ -47,16 +46,7 @@ from .past import INPUTS, PastSteps, output_names, past_recipe
 FOLDER = "artifact"  # where the judged files are kept in the output folder
 
 
-@dataclass
-class CheckResult:
-    out: Path
-    report: dict[str, Any]
-    exit_code: int
-    problems: list[str] = field(default_factory=list)
-
-    @property
-    def passed(self) -> bool:
-        return bool(self.report.get("passed"))
+CheckResult = RunResult  # convert's result: the folder, its report, the exit code and its lines
 
 
 def default_out(artifact: Path, recipe: Recipe) -> Path:

@@ -29,11 +29,12 @@ from ..dtypes import torch_dtype
 from ..measure.kernels import hook
 from ..modelio import import_spec_types, named_call
 from ..outdir import save_named_tensors
-from . import aoti_loader
+from . import aoti_loader, package_cache
 from .aoti_loader import CudaGraphed, load_package
 from .context import BuildContext, Built, DecoderPrograms
 from .exported_program import core_aten
 from .exported_program import decoder_attention as decoder_attention
+from .package_cache import compile_package
 from .spec import DecoderLoaded, Loaded, RunnerSpec
 from .toolchain import aoti_preload
 
@@ -74,7 +75,8 @@ def build(ctx: BuildContext) -> list[Built]:
             # Inductor probes the CPU's vector instruction sets (a g++ compile and a Python process per set)
             # for the C++ it would write for CPU kernels; a CUDA graph has none worth vectorising.
             stack.enter_context(inductor_config.patch({"cpp.vec_isa_ok": False}))
-        torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=configs)
+        cached = compile_package(program, path, configs, ctx.device,
+                                 {"attention_backend": ctx.recipe.runtime.attention_backend})
     written = [path]
     if apart:
         weights_file = Path(aoti_loader.weights_beside(str(path)))
@@ -92,10 +94,13 @@ def build(ctx: BuildContext) -> list[Built]:
     if apart:
         notes.append(f"weights ({weights / 2**30:.1f} GiB) in {written[-1].name} beside the package, handed to it "
                      f"at load by {LOADER} (torch's own loader needs them inside)")
+    if cached == "reused":
+        notes.append(f"package reused from the package cache ({package_cache.ENV}): an earlier build compiled the same "
+                     "program, weights and options with this toolchain on this device; judged like a fresh build")
     build_s = time.perf_counter() - t0
     built = [Built("aoti", "aoti", spec, path, [*written, loader], build_s, notes=notes,
                    graph={"ld_preload": os.path.basename(preload) if preload else None,
-                          "inductor_configs": configs})]
+                          "inductor_configs": configs, "package_cache": cached})]
     if ctx.recipe.targets.aoti_cuda_graph and ctx.device.startswith("cuda") and apart:
         notes.append(f"{GRAPHED} not built: {weights / 2**30:.1f} GiB of weights (over "
                      f"{weights_apart_above() / 2**30:.0f} GiB) would be loaded again by its own process, and a "
@@ -191,7 +196,7 @@ def build_decoder(programs: DecoderPrograms, recipe: Recipe, files: tuple[Path, 
             stack.enter_context(inductor_config.patch({"cpp.vec_isa_ok": False}))
         configs = {"aot_inductor.package_constants_in_so": False}
         for program, path in zip((programs.prefill, programs.decode), files):
-            torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=configs)
+            compile_package(program, path, configs, device, {"attention_backend": recipe.runtime.attention_backend})
     weights = staging / DECODER_WEIGHTS
     save_named_tensors(weights, tensors)
     loader = staging / LOADER

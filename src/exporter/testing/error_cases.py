@@ -616,3 +616,50 @@ def _(tmp, a):
     empty.write_bytes(b"")
     return Case("an empty ONNX file", "exporter check", check_argv(empty, a, tmp), 2, "holds no ONNX graph",
                 out=tmp / "out")
+
+
+# --------------------------------------------------------------------------- exporter batch
+
+
+def batch_plan(tmp: Path, a: Assets, text: str) -> Path:
+    plan = tmp / "plan.toml"
+    plan.write_text(text.replace("CKPT", str(a.gpt2)))
+    return plan
+
+
+@case("exporter batch", "the plan does not exist")
+def _(tmp, a):
+    return Case("the plan does not exist", "exporter batch", ["batch", str(tmp / "missing.toml"), "--out",
+                                                              str(tmp / "out")], 2, "missing.toml does not exist",
+                out=tmp / "out")
+
+
+@case("exporter batch", "a plan with several problems")
+def _(tmp, a):
+    plan = batch_plan(tmp, a, '[[run]]\ncheckpoint = "CKPT"\nrecipe = "cpu-fp23"\n\n[[run]]\ncheckpoint = "nowhere"\n'
+                              'recipe = "cpu-fp32"\ntarget = ["onnx"]\n')
+    return Case("a plan with several problems", "exporter batch", ["batch", str(plan), "--out", str(tmp / "out")], 2,
+                "has 3 problem(s)", out=tmp / "out")
+
+
+@case("exporter batch", "two cells write one folder")
+def _(tmp, a):
+    plan = batch_plan(tmp, a, '[matrix]\ncheckpoints = ["CKPT"]\nrecipes = ["cpu-fp32"]\n\n'
+                              '[[run]]\ncheckpoint = "CKPT"\nrecipe = "cpu-fp32"\ntask = "text-generation"\n')
+    return Case("two cells write one folder", "exporter batch", ["batch", str(plan), "--out", str(tmp / "out")], 2,
+                "give one of them an out pattern of its own", out=tmp / "out")
+
+
+@case("exporter batch", "--workers 0")
+def _(tmp, a):
+    plan = batch_plan(tmp, a, '[[run]]\ncheckpoint = "CKPT"\nrecipe = "cpu-fp32"\n')
+    return Case("--workers 0", "exporter batch", ["batch", str(plan), "--workers", "0", "--out", str(tmp / "out")],
+                2, "is not a number of workers", out=tmp / "out")
+
+
+@case("exporter batch", "--workers with a cluster's address")
+def _(tmp, a):
+    plan = batch_plan(tmp, a, '[[run]]\ncheckpoint = "CKPT"\nrecipe = "cpu-fp32"\n')
+    return Case("--workers with a cluster's address", "exporter batch",
+                ["batch", str(plan), "--scheduler", "tcp://127.0.0.1:8786", "--workers", "2", "--out",
+                 str(tmp / "out")], 2, "has the workers it was started with", out=tmp / "out")

@@ -1,0 +1,57 @@
+"""The AOTInductor package cache: a package compiled once is reused for the same program, weights and options,
+and compiled again when any of them differs (a real compile, loaded back and run)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return torch.relu(self.linear(x))
+
+
+def program(model: torch.nn.Module):
+    return torch.export.export(model.eval(), (torch.randn(2, 8),))
+
+
+def test_the_key_covers_the_graph_the_weights_and_the_options():
+    from exporter.targets.package_cache import key
+
+    torch.manual_seed(0)
+    model = Tiny()
+    first = key(program(model), {}, "cpu")
+    assert key(program(model), {}, "cpu") == first  # exported again: the same program
+    assert key(program(model), {"max_autotune": True}, "cpu") != first
+    assert key(program(model), {}, "cpu", {"attention_backend": "math"}) != first
+    with torch.no_grad():
+        model.linear.bias[0] += 1e-3  # one value of one weight
+    assert key(program(model), {}, "cpu") != first
+
+
+def test_a_package_is_compiled_once_and_reused(tmp_path, monkeypatch):
+    from exporter.targets import aoti_loader
+    from exporter.targets.package_cache import ENV, compile_package
+
+    monkeypatch.setenv(ENV, str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    model = Tiny()
+    exported = program(model)
+    built, reused = tmp_path / "a.pt2", tmp_path / "b.pt2"
+    assert compile_package(exported, built, {}, "cpu") == "stored"
+    assert compile_package(program(model), reused, {}, "cpu") == "reused"
+    assert reused.read_bytes() == built.read_bytes()
+    x = torch.randn(2, 8)  # the exported (static) shape
+    expected = model(x)
+    for path in (built, reused):
+        out = aoti_loader.load_package(str(path))(x)
+        out = out[0] if isinstance(out, (list, tuple)) else out
+        torch.testing.assert_close(out, expected)
+    with torch.no_grad():
+        model.linear.weight.mul_(2)
+    assert compile_package(program(model), tmp_path / "c.pt2", {}, "cpu") == "stored"  # other weights: compiled
+    assert len(list((tmp_path / "cache").glob("*.pt2"))) == 2
