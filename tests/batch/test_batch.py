@@ -293,9 +293,14 @@ def test_sigint_stops_every_cell_and_publishes_nothing(tiny_models, tmp_path):
     batch_proc = subprocess.Popen(exporter_cmd("batch", str(plan), "--out", str(out), "--workers", "2"),
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
+    def command(proc) -> list[str]:
+        try:
+            return proc.cmdline()
+        except psutil.Error:  # a process that ended since it was listed
+            return []
+
     while time.monotonic() < deadline:  # both first cells have a convert running
-        converts = [p for p in psutil.Process(batch_proc.pid).children(recursive=True)
-                    if "convert" in (p.cmdline() if p.is_running() else [])]
+        converts = [p for p in psutil.Process(batch_proc.pid).children(recursive=True) if "convert" in command(p)]
         if len(converts) >= 4:  # 2 cells x (supervising process + convert)
             break
         time.sleep(0.2)
