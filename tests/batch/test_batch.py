@@ -273,6 +273,7 @@ def test_a_plan_on_a_dask_cluster_runs_and_a_killed_worker_is_replaced(tiny_mode
         struck = kill_when_running("vit/cpu-quick", lambda supervisor: supervisor.parent())
         result = batch(plan, out, scheduler=cluster.scheduler_address)
         struck["thread"].join(timeout=5)
+    stop_resource_tracker()
     assert result.exit_code == 0, result.problems
     assert "pid" in struck, "the cell was never seen running"
     cells = cells_of(out)
@@ -284,6 +285,17 @@ def test_a_plan_on_a_dask_cluster_runs_and_a_killed_worker_is_replaced(tiny_mode
         assert verify(out / name).exit_code == 0, name
     assert result.summary["engine"]["kind"] == "dask" and result.summary["engine"]["workers"] == 2
     assert leftovers(out) == []
+
+
+def stop_resource_tracker() -> None:
+    """The cluster's worker processes were spawned through multiprocessing, which leaves its resource-tracker
+    process running for the rest of this test process; later tests check that a run leaves no child of theirs
+    alive, so the test that started it ends it."""
+    from multiprocessing import resource_tracker
+
+    tracker = resource_tracker._resource_tracker
+    if getattr(tracker, "_pid", None) is not None:
+        tracker._stop()
 
 
 def test_sigint_stops_every_cell_and_publishes_nothing(tiny_models, tmp_path):
