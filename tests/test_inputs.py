@@ -103,3 +103,72 @@ def test_custom_model_needs_declared_inputs(factory_checkpoint):
     model = load_model(path, factory=factory).model
     with pytest.raises(InputsError, match="declare them in the recipe"):
         plan_inputs(model, load_recipe("cpu-fp32").inputs)
+
+
+def _tiny(name: str):
+    pytest.importorskip("transformers")
+    from exporter.testing.architectures import by_name
+
+    torch.manual_seed(0)
+    return by_name(name).build().eval()
+
+
+def test_an_encoder_decoder_gets_decoder_input_ids_on_a_dim_of_its_own():
+    plan = plan_inputs(_tiny("bart"), load_recipe("cpu-fp32").inputs)
+    assert plan.names == ("input_ids", "attention_mask", "decoder_input_ids")
+    dims = {d.name: d for d in plan.dims}
+    # BART has 256 positions for the encoder and the decoder alike: both dims are narrowed to them
+    assert (dims["decoder_sequence"].min, dims["decoder_sequence"].max) == (1, 256)
+    assert dims["sequence"].max == 256
+    assert plan.samples[0]["decoder_input_ids"].shape == (2, dims["decoder_sequence"].size)
+    assert any("decoder_sequence: not declared" in n for n in plan.notes)
+
+
+def test_whisper_gets_its_fixed_mel_frames_and_the_decoders_positions():
+    model = _tiny("whisper")
+    plan = plan_inputs(model, load_recipe("cpu-fp32").inputs)
+    assert plan.names == ("input_features", "decoder_input_ids")
+    config = model.config
+    assert plan.samples[0]["input_features"].shape == (2, config.num_mel_bins, 2 * config.max_source_positions)
+    assert list(plan.dynamic_axes()["input_features"]) == [0]  # batch only: the encoder takes no other length
+    decoder = next(d for d in plan.dims if d.name == "decoder_sequence")
+    assert decoder.max == config.max_target_positions
+    assert any("fixed at" in n and "max_source_positions" in n for n in plan.notes)
+
+
+def test_raw_audio_gets_an_audio_dim_in_samples_the_feature_encoder_can_take():
+    model = _tiny("wav2vec2")
+    plan = plan_inputs(model, load_recipe("cpu-fp32").inputs)
+    assert plan.names == ("input_values",)
+    audio = next(d for d in plan.dims if d.name == "audio")
+    sequence = next(d for d in plan.dims if d.name == "sequence")
+    frames = model._get_feat_extract_output_lengths(torch.tensor([audio.min, audio.size, audio.max])).tolist()
+    assert frames == [max(sequence.min, 2), sequence.size, sequence.max]
+    assert model._get_feat_extract_output_lengths(torch.tensor(audio.min - 1)).item() < frames[0]
+
+
+def test_a_text_and_image_model_gets_both_and_the_text_towers_positions():
+    model = _tiny("clip")
+    plan = plan_inputs(model, load_recipe("cpu-fp32").inputs)
+    assert set(plan.names) == {"input_ids", "attention_mask", "pixel_values"}
+    image = model.config.vision_config.image_size
+    assert plan.samples[0]["pixel_values"].shape[-2:] == (image, image)
+    assert next(d for d in plan.dims if d.name == "sequence").max == model.config.text_config.max_position_embeddings
+    assert any("text_config.max_position_embeddings" in n for n in plan.notes)
+
+
+def test_generated_padding_stays_inside_a_sliding_window():
+    """A padded token whose whole window is padding has nothing to attend to: the model's own float64 output is
+    NaN there, so generated padding stops short of it, and the plan says why."""
+    model = _tiny("gemma2")  # sliding_window = 64
+    recipe = load_recipe("cpu-fp32").with_inputs(("sequence=256:2:256", "batch=4:1:4"))
+    plan = plan_inputs(model, recipe.inputs)
+    assert plan.max_padding == 32
+    mask = plan.samples[0]["attention_mask"]
+    assert (mask.shape[1] - mask.sum(dim=1)).max() <= 32 and not mask[1:].all()
+    assert any("sliding_window = 64" in n for n in plan.notes)
+    with torch.no_grad():
+        out = model.double()(**plan.samples[0]).logits
+    assert torch.isfinite(out).all()
+    unbounded = padding_mask(4, 256)
+    assert (256 - unbounded.sum(dim=1)).max() > 64  # what the padding would have been

@@ -43,6 +43,7 @@ class InputPlan:
     seed: int | None = 0
     notes: list[str] = field(default_factory=list)
     pad_token_id: int | None = None  # the config's padding token, for generated input_ids (and the shape grid)
+    max_padding: int | None = None  # generated attention masks pad at most this many tokens (a sliding window)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -90,8 +91,25 @@ def _config_get(config: Any, *names: str, default=None):
     return default
 
 
+def _text_config(config: Any) -> Any:
+    """The config of a model's text part (CLIP's ``text_config``), or the config itself."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else None
+    return text if text is not None else config
+
+
+def _vision_config(config: Any) -> Any:
+    return getattr(config, "vision_config", None) or config
+
+
 def infer_specs(model: nn.Module, section: InputsSection) -> tuple[TensorSpec, ...]:
-    """The declared tensors, else specs inferred from a transformers model's config."""
+    """The declared tensors, else specs inferred from a transformers model's config.
+
+    Every input the forward needs is generated from what the config says: token ids (text, and a decoder's
+    ``decoder_input_ids`` on dim ``decoder_sequence``), ``pixel_values`` at the configured image size (a
+    text-and-image model such as CLIP gets both), Whisper's ``input_features`` (``num_mel_bins`` x
+    ``2 * max_source_positions`` frames: its encoder takes no other length) and raw audio ``input_values`` on
+    dim ``audio``. Dims the recipe does not declare are derived by :func:`derived_dims`.
+    """
     if section.tensors:
         return section.tensors
     if not is_transformers_model(model):
@@ -100,26 +118,84 @@ def infer_specs(model: nn.Module, section: InputsSection) -> tuple[TensorSpec, .
     params = forward_parameters(model)
     config: Any = model.config
     batch = "batch" if section.dim("batch") else 1
+    seq: int | str = "sequence" if section.dim("sequence") else 16
+    specs: list[TensorSpec] = []
+    decoder = "decoder_input_ids" in params and bool(getattr(config, "is_encoder_decoder", False))
+    if "input_features" in params and decoder:
+        mels = _config_get(config, "num_mel_bins")
+        frames = _config_get(config, "max_source_positions")
+        if not mels or not frames:
+            raise InputsError(f"cannot generate input_features for {type(model).__name__}: its config has no "
+                              "num_mel_bins or max_source_positions", "pass real samples with --inputs FILE")
+        specs.append(TensorSpec("input_features", (batch, int(mels), 2 * int(frames)), "float32", -1.0, 1.0))
+    elif "input_values" in params and "input_ids" not in params:
+        specs.append(TensorSpec("input_values", (batch, "audio" if seq == "sequence" else 16000), "float32",
+                                -1.0, 1.0))
+    vocab = _config_get(config, "vocab_size") or getattr(_text_config(config), "vocab_size", None)
     if "input_ids" in params:
-        seq = "sequence" if section.dim("sequence") else 16
-        vocab = _config_get(config, "vocab_size")
-        if vocab is None and hasattr(config, "get_text_config"):
-            vocab = getattr(config.get_text_config(), "vocab_size", None)
         if not vocab:
             raise InputsError(f"cannot generate input_ids for {type(model).__name__}: its config has no vocab_size",
                               "pass real samples with --inputs FILE")
-        specs = [TensorSpec("input_ids", (batch, seq), "int64", 0, int(vocab))]
+        specs.append(TensorSpec("input_ids", (batch, seq), "int64", 0, int(vocab)))
         if "attention_mask" in params:
             specs.append(TensorSpec("attention_mask", (batch, seq), "int64", 0, 2))
-        return tuple(specs)
-    if "pixel_values" in params:
-        size = _config_get(config, "image_size", default=224)
+    if "pixel_values" in params and (not specs or hasattr(config, "vision_config")):
+        vision = _vision_config(config)
+        size = _config_get(vision, "image_size", default=224)
         height, width = (size, size) if isinstance(size, int) else tuple(size)[:2]
-        channels = _config_get(config, "num_channels", default=3)
-        return (TensorSpec("pixel_values", (batch, int(channels), int(height), int(width)), "float32", -1.0, 1.0),)
+        channels = _config_get(vision, "num_channels", default=3)
+        specs.append(TensorSpec("pixel_values", (batch, int(channels), int(height), int(width)), "float32",
+                                -1.0, 1.0))
+    if decoder and specs:
+        if not vocab:
+            raise InputsError(f"cannot generate decoder_input_ids for {type(model).__name__}: its config has no "
+                              "vocab_size", "pass real samples with --inputs FILE")
+        specs.append(TensorSpec("decoder_input_ids", (batch, "decoder_sequence" if seq == "sequence" else 8),
+                                "int64", 0, int(vocab)))
+    if specs:
+        return tuple(specs)
     wanted = [n for n in params if n not in ("self", "kwargs")][:3]
     raise InputsError(f"cannot generate inputs for {type(model).__name__} (its forward takes {', '.join(wanted)})",
                       "declare them in the recipe ([[inputs.tensor]]) or pass real samples with --inputs FILE")
+
+
+def _audio_samples(config: Any, frames: int) -> int:
+    """The fewest raw samples from which a wav2vec2-style feature encoder makes ``frames`` frames."""
+    kernels = tuple(getattr(config, "conv_kernel", ()) or ())
+    strides = tuple(getattr(config, "conv_stride", ()) or ())
+    length = max(1, frames)
+    for kernel, stride in reversed(list(zip(kernels, strides))):
+        length = (length - 1) * int(stride) + int(kernel)
+    return length
+
+
+def derived_dims(model: nn.Module, specs: tuple[TensorSpec, ...], dims: tuple[Dim, ...]) -> tuple[
+        tuple[Dim, ...], list[str]]:
+    """The recipe's dims plus those the generated inputs use and the recipe does not declare, from the config.
+
+    ``decoder_sequence`` (an encoder-decoder's target tokens) takes the sequence dim's range with half its typical
+    size; ``audio`` (raw samples) spans as many samples as the feature encoder needs for the sequence dim's range
+    of frames. A recipe that declares either keeps its own.
+    """
+    declared = {d.name for d in dims}
+    used = {e for s in specs for e in s.shape if isinstance(e, str)}
+    seq = next((d for d in dims if d.name == "sequence"), None)
+    added, notes = [], []
+    if seq is not None and "decoder_sequence" in used - declared:
+        added.append(Dim("decoder_sequence", max(1, seq.size // 2), 1, seq.max))
+        notes.append(f"inputs.dims.decoder_sequence: not declared; decoder_input_ids take 1..{seq.max} tokens "
+                     f"(the sequence dim's maximum), typical {max(1, seq.size // 2)}")
+    if seq is not None and "audio" in used - declared:
+        config = getattr(model, "config", None)
+        low, size, high = (_audio_samples(config, n) for n in (max(seq.min, 2), seq.size, seq.max))
+        added.append(Dim("audio", size, low, high))
+        notes.append(f"inputs.dims.audio: not declared; input_values take {low}..{high} samples (typical {size}): "
+                     f"the feature encoder's {max(seq.min, 2)}..{seq.max} frames, the sequence dim's range")
+    fixed = [s for s in specs if s.name == "input_features" and all(isinstance(e, int) for e in s.shape[1:])]
+    for spec in fixed:
+        notes.append(f"input {spec.name}: fixed at {spec.shape[1]} mel bins x {spec.shape[2]} frames, "
+                     "2 x max_source_positions (the encoder takes no other length)")
+    return dims + tuple(added), notes
 
 
 def check_dims_declared(specs: tuple[TensorSpec, ...], dims: tuple[Dim, ...]) -> None:
@@ -139,14 +215,14 @@ def concrete_shape(spec: TensorSpec, sizes: dict[str, int]) -> tuple[int, ...]:
 
 
 def generate_sample(specs: tuple[TensorSpec, ...], sizes: dict[str, int], seed: int,
-                    pad_token_id: int | None = None) -> dict[str, torch.Tensor]:
+                    pad_token_id: int | None = None, max_padding: int | None = None) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     sample: dict[str, torch.Tensor] = {}
     for spec in specs:
         shape = concrete_shape(spec, sizes)
         dtype = torch_dtype(spec.dtype)
         if spec.name == "attention_mask" and len(shape) == 2:
-            sample[spec.name] = padding_mask(shape[0], shape[1], dtype)
+            sample[spec.name] = padding_mask(shape[0], shape[1], dtype, max_padding)
         elif dtype == torch.bool:
             sample[spec.name] = torch.randint(0, 2, shape, generator=gen).bool()
         elif not dtype.is_floating_point:
@@ -169,11 +245,16 @@ def generate_sample(specs: tuple[TensorSpec, ...], sizes: dict[str, int], seed: 
     return sample
 
 
-def padding_mask(batch: int, seq: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """Row 0 is full; row i > 0 keeps a shrinking prefix (right padding), never fewer than one token."""
+def padding_mask(batch: int, seq: int, dtype: torch.dtype = torch.int64,
+                 max_padding: int | None = None) -> torch.Tensor:
+    """Row 0 is full; row i > 0 keeps a shrinking prefix (right padding), never fewer than one token, and pads at
+    most ``max_padding`` tokens when given."""
     mask = torch.ones(batch, seq, dtype=dtype)
     for row in range(1, batch):
-        keep = max(1, seq - max(1, (seq * row) // (batch + 1)))
+        padding = max(1, (seq * row) // (batch + 1))
+        if max_padding is not None:
+            padding = min(padding, max(1, max_padding))
+        keep = max(1, seq - padding)
         mask[row, keep:] = 0
     return mask
 
@@ -188,51 +269,95 @@ def position_offset(model: nn.Module, positions: int) -> int:
     return 0
 
 
+def _position_limits(model: nn.Module) -> dict[str, tuple[int, str]]:
+    """For each generated token input, how many positions the model has for it and which config field says so."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return {}
+    limits: dict[str, tuple[int, str]] = {}
+    text = _text_config(config)
+    for owner, label in ((config, ""), (text, "text_config.")):
+        limit = getattr(owner, "max_position_embeddings", None)
+        if isinstance(limit, int) and limit > 0:
+            limits.setdefault("input_ids", (limit, f"{label}max_position_embeddings"))
+    decoder = getattr(config, "max_target_positions", None)
+    if isinstance(decoder, int) and decoder > 0:
+        limits["decoder_input_ids"] = (decoder, "max_target_positions")
+    elif "input_ids" in limits and getattr(config, "is_encoder_decoder", False):
+        limits["decoder_input_ids"] = limits["input_ids"]
+    return limits
+
+
 def within_positions(model: nn.Module, specs: tuple[TensorSpec, ...], dims: tuple[Dim, ...]) -> tuple[
         tuple[Dim, ...], list[str]]:
     """The dims, with the sequence dim of generated token ids narrowed to the model's position limit.
 
     A recipe serves many models; a transformers config says how many positions its model has
-    (``max_position_embeddings``, GPT-2's ``n_positions``). Past it a position-embedding lookup reads out of
-    bounds: an error on the CPU, a device-side assert on a GPU that leaves the whole process unable to use
-    it. So the dim is narrowed to the model's limit, and the report says so. A model whose positions start
-    after its padding index (RoBERTa and its kind: ``padding_idx + 1`` onwards) takes that many fewer tokens.
+    (``max_position_embeddings``, GPT-2's ``n_positions``, a text tower's, a decoder's ``max_target_positions``).
+    Past it a position-embedding lookup reads out of bounds: an error on the CPU, a device-side assert on a GPU
+    that leaves the whole process unable to use it. So the dim is narrowed to the model's limit, and the report
+    says so. A model whose positions start after its padding index (RoBERTa and its kind: ``padding_idx + 1``
+    onwards) takes that many fewer tokens.
+    """
+    limits = _position_limits(model)
+    narrowed = {d.name: d for d in dims}
+    notes = []
+    for spec in specs:
+        if spec.name not in limits or len(spec.shape) < 2 or not isinstance(spec.shape[-1], str):
+            continue
+        limit, source = limits[spec.name]
+        offset = position_offset(model, limit)
+        limit -= offset
+        if offset:
+            source += f" less the {offset} positions before the first token's (positions start after the padding index)"
+        dim = narrowed.get(spec.shape[-1])
+        if dim is None or dim.max <= limit:
+            continue
+        new = Dim(dim.name, min(dim.size, limit), min(dim.min, limit), limit)
+        notes.append(f"inputs.dims.{dim.name}: max {dim.max} narrowed to {limit}, the model's "
+                     f"{source}" + (f" (size {dim.size} -> {new.size})" if new.size != dim.size else ""))
+        narrowed[dim.name] = new
+    return tuple(narrowed[d.name] for d in dims), notes
+
+
+def sliding_window(model: nn.Module) -> tuple[int | None, str]:
+    """How many tokens generated padding may take so that every padded token still has a real one in its attention
+    window: half of a sliding window (``sliding_window``, ModernBERT's ``local_attention``); None without one.
+
+    A padded token whose window holds only padding has no key to attend to: the model's own softmax is then taken
+    over nothing but masked scores and its float64 output is NaN there, which no artifact can be judged against.
     """
     config = getattr(model, "config", None)
-    limit = getattr(config, "max_position_embeddings", None) if config is not None else None
-    ids = next((s for s in specs if s.name == "input_ids"), None)
-    if not isinstance(limit, int) or limit < 1 or ids is None:
-        return dims, []
-    offset = position_offset(model, limit)
-    limit -= offset
-    source = "max_position_embeddings" + (f" less the {offset} positions before the first token's (positions "
-                                          "start after the padding index)" if offset else "")
-    used = {e for e in ids.shape if isinstance(e, str)}
-    narrowed, notes = [], []
-    for dim in dims:
-        if dim.name in used and len(ids.shape) > 1 and ids.shape[-1] == dim.name and dim.max > limit:
-            new = Dim(dim.name, min(dim.size, limit), min(dim.min, limit), limit)
-            notes.append(f"inputs.dims.{dim.name}: max {dim.max} narrowed to {limit}, the model's "
-                         f"{source}" + (f" (size {dim.size} -> {new.size})" if new.size != dim.size else ""))
-            dim = new
-        narrowed.append(dim)
-    return tuple(narrowed), notes
+    for field_name in ("sliding_window", "local_attention"):
+        window = getattr(config, field_name, None)
+        if isinstance(window, int) and not isinstance(window, bool) and window > 1:
+            return window // 2, f"{field_name} = {window}"
+    return None, ""
 
 
 def plan_inputs(model: nn.Module, section: InputsSection, samples_file: str | Path | None = None) -> InputPlan:
     specs = infer_specs(model, section)
-    check_dims_declared(specs, section.dims)
-    dims, notes = within_positions(model, specs, section.dims) if not section.tensors else (section.dims, [])
+    dims, notes = (section.dims, []) if section.tensors else derived_dims(model, specs, section.dims)
+    check_dims_declared(specs, dims)
+    if not section.tensors:
+        dims, position_notes = within_positions(model, specs, dims)
+        notes += position_notes
     section = dataclasses.replace(section, dims=dims)
     plan = InputPlan(specs=specs, dims=dims, seed=section.seed, notes=notes)
     plan.pad_token_id = getattr(getattr(model, "config", None), "pad_token_id", None)
+    if not section.tensors and any(s.name == "attention_mask" for s in specs):
+        plan.max_padding, window = sliding_window(model)
+        if plan.max_padding is not None:
+            plan.notes.append(f"generated padding kept to at most {plan.max_padding} tokens per row: the model's "
+                              f"{window} (a padded token with only padding in its window has nothing to attend to)")
     if samples_file is not None:
         plan.samples = read_samples(Path(samples_file), specs, section.dims)
         plan.source = str(samples_file)
         plan.seed = None
         return plan
     sizes = {d.name: d.size for d in section.dims}
-    plan.samples = [generate_sample(specs, sizes, section.seed + i, plan.pad_token_id) for i in range(section.samples)]
+    plan.samples = [generate_sample(specs, sizes, section.seed + i, plan.pad_token_id, plan.max_padding)
+                    for i in range(section.samples)]
     if any(s.name == "attention_mask" for s in specs) and sizes.get("batch", 1) < 2:
         plan.notes.append("batch size 1: the generated attention mask has no padding")
     return plan

@@ -88,3 +88,21 @@ def test_sliding_window_narrower_than_the_cache_is_refused(tmp_path):
 def test_recipe_refuses_a_cache_too_small():
     with pytest.raises(exporter.errors.RecipeError, match="max_cache_len"):
         exporter.api.resolve_recipe("cpu-fp32", settings=("generation.max_cache_len=10",))
+
+
+def test_a_model_transformers_keeps_off_sdpa_generates_on_its_eager_attention(tmp_path):
+    """Gemma2 soft-caps its scores (tanh), which SDPA has no equivalent for, and transformers refuses SDPA for it:
+    the programs keep eager attention, each site says why, and generation is judged as for any decoder."""
+    pytest.importorskip("transformers")
+    from exporter.testing.architectures import by_name
+
+    path = by_name("gemma2").save(tmp_path / "gemma2")
+    result = exporter.convert(path, "cpu-fp32", tmp_path / "out", task="text-generation",
+                              targets=("exported_program",))
+    assert result.exit_code == 0, result.problems
+    sites = result.report["attention"]["sites"]
+    assert sites and all(s["status"] == "skipped" and "soft-capped" in s["reason"] for s in sites)
+    entry = result.report["artifacts"][0]
+    assert entry["numerics"]["passed"] and entry["numerics"]["free_running"]["identical"]
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert f"{len(sites)} site(s) found, 0 rewritten to SDPA" in text and "soft-capped" in text

@@ -7,6 +7,7 @@ Order: ``--model package.module:factory`` (command line, then recipe); else the
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -33,6 +34,18 @@ class Architecture:
     @property
     def is_transformers(self) -> bool:
         return self.source == "transformers"
+
+
+def implementations(model_class: Any) -> dict[str, str]:
+    """How a transformers model is built for the pipeline: eager attention (the reference, and what the rewrite
+    starts from) and, for a mixture of experts, ``batched_mm`` experts: the default ``grouped_mm`` has no float64
+    kernel (so no reference could be run) and the eager experts loop over data-dependent token sets, which
+    ``torch.export`` cannot trace."""
+    chosen = {"attn_implementation": "eager"}
+    with contextlib.suppress(Exception):
+        if model_class._can_set_experts_implementation():
+            chosen["experts_implementation"] = "batched_mm"
+    return chosen
 
 
 def read_config(root: Path) -> dict[str, Any] | None:
@@ -138,7 +151,7 @@ def _transformers_architecture(config: dict, root: Path) -> Architecture:
     def build() -> nn.Module:
         try:
             model_class: Any = cls  # a transformers PreTrainedModel class
-            return model_class._from_config(hf_config, attn_implementation="eager")
+            return model_class._from_config(hf_config, **implementations(model_class))
         except Exception as exc:
             raise ArchitectureError(f"transformers could not build {names[0]} from config.json "
                                     f"({type(exc).__name__}: {exc})",

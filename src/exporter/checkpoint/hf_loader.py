@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import ArchitectureError, CheckpointError
-from .architecture import Architecture
+from .architecture import Architecture, implementations
 from .files import Checkpoint
 from .loader import LoadReport, listing
 
@@ -39,7 +39,7 @@ def load_transformers(arch: Architecture, checkpoint: Checkpoint) -> tuple[nn.Mo
     transformers.utils.logging.disable_progress_bar()  # our own progress display reports the stage
     try:
         model, info = cls.from_pretrained(None, config=arch.hf_config, state_dict=state_dict,
-                                          attn_implementation="eager", output_loading_info=True, dtype=dtype,
+                                          **implementations(cls), output_loading_info=True, dtype=dtype,
                                           ignore_mismatched_sizes=True)
     except CheckpointError:
         raise

@@ -36,6 +36,7 @@ from ..recipe import Recipe
 from ..report.generation import assemble_generation
 from ..results import FAILED, NUMERICS_FAILED, OK, SKIPPED
 from ..rewrite.audit import REWRITTEN, AttentionAudit, Site
+from ..rewrite.audit import SKIPPED as SITE_SKIPPED
 from ..rewrite.transformers_interface import KIND, _recording
 from ..rewrite.transformers_interface import RULE as SITE_RULE
 from ..runners import run_session
@@ -83,6 +84,36 @@ def audit_sites(model: torch.nn.Module, device: str, transformers: bool) -> Atte
                                 grouped_query=len(q) == 4 and len(k) == 4 and q[1] != k[1],
                                 heads=q[1] if len(q) == 4 else None, kv_heads=k[1] if len(k) == 4 else None,
                                 head_dim=q[-1] if q else None))
+    return audit
+
+
+def sdpa_refusal(model: torch.nn.Module, transformers: bool) -> str | None:
+    """Why transformers will not run this model's attention through SDPA (Gemma2: its scores are soft-capped);
+    None when it will. The model then keeps its eager attention, and each site says why."""
+    if not transformers:
+        return None
+    try:
+        with attention_implementation(model, "sdpa"):
+            pass
+    except (ValueError, ImportError) as exc:
+        first = str(exc).split(". ")[0].strip()
+        softcap = getattr(getattr(model, "config", None), "attn_logit_softcapping", None)
+        if softcap:
+            return (f"its scores are soft-capped (tanh, attn_logit_softcapping = {softcap:g}), which SDPA has no "
+                    f"equivalent for; transformers refuses SDPA for it ({first})")
+        return f"transformers refuses SDPA for it ({first})"
+    return None
+
+
+def eager_sites(model: torch.nn.Module, reason: str) -> AttentionAudit:
+    """Each attention module of a model kept on eager attention, left as written with ``reason``."""
+    audit = AttentionAudit()
+    outer: list[str] = []
+    for name, module in model.named_modules():
+        if type(module).__name__.endswith("Attention") and not any(name.startswith(o + ".") for o in outer):
+            outer.append(name)
+            audit.sites.append(Site(location=name, kind=f"{type(module).__name__} (eager)", status=SITE_SKIPPED,
+                                    rule=SITE_RULE, reason=reason, causal=True))
     return audit
 
 
@@ -249,13 +280,18 @@ def convert_generation(checkpoint: Path, recipe: Recipe, staging: Path, allow_dr
     eager_verdict = judge_steps("eager", ref.logits, ref.tokens, list(ref.baseline.float()), None, ref.bars, ref.k,
                                 recipe.numerics.atol)
 
-    implementation = "sdpa" if recipe.runtime.rewrite_attention else "eager"
+    refused = sdpa_refusal(model, transformers) if recipe.runtime.rewrite_attention else None
+    implementation = "sdpa" if recipe.runtime.rewrite_attention and refused is None else "eager"
     with attention_implementation(model, implementation):  # the rewrite: transformers' SDPA attention
         with progress.stage("rewrite attention"):
             step = DecoderStep(model, transformers)
             layout = probe_layout(model, transformers, device)
-            audit = audit_sites(model, device, transformers) if recipe.runtime.rewrite_attention else \
-                AttentionAudit(notes=["rewrite off (--no-rewrite): attention runs as written"])
+            if refused is not None:
+                audit = eager_sites(model, refused)
+            elif recipe.runtime.rewrite_attention:
+                audit = audit_sites(model, device, transformers)
+            else:
+                audit = AttentionAudit(notes=["rewrite off (--no-rewrite): attention runs as written"])
             progress.info(f"attention sites: {audit.found} found, {audit.count('rewritten')} rewritten")
         setup = write_setup(staging, recipe, ref, layout, model)
 

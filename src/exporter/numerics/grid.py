@@ -112,7 +112,7 @@ def plan_grid(plan: InputPlan, settings: NumericsSection, seed: int) -> GridPlan
 
 def point_sample(plan: InputPlan, point: GridPoint) -> dict[str, torch.Tensor]:
     """The generated sample of one grid point (the same every time: its seed is recorded)."""
-    return generate_sample(plan.specs, point.sizes, point.seed, plan.pad_token_id)
+    return generate_sample(plan.specs, point.sizes, point.seed, plan.pad_token_id, plan.max_padding)
 
 
 # --------------------------------------------------------------------------- artifact signatures

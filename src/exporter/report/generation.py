@@ -187,7 +187,12 @@ def render_generation(report: dict[str, Any]) -> str:
                 + (f"; {len(row['fused_projections'])} groups of linears fused into one product each"
                    if row.get("fused_projections") else ""))
     attention = report["attention"]
-    lines += ["", "## Attention", "", f"{len(attention.get('sites') or [])} site(s) rewritten to SDPA."]
+    sites = attention.get("sites") or []
+    rewritten = sum(1 for site in sites if site.get("status") == "rewritten")
+    lines += ["", "## Attention", "", f"{len(sites)} site(s) found, {rewritten} rewritten to SDPA."]
+    kept = sorted({site.get("reason") or "" for site in sites if site.get("status") == "skipped"})
+    lines += [f"- left as written ({sum(1 for s in sites if s.get('reason') == why)} site(s)): {why}"
+              for why in kept if why]
     lines += [f"- {note}" for note in attention.get("notes") or []]
     for warning in report.get("warnings") or []:
         lines.append(f"- ⚠ {warning}")

@@ -63,8 +63,20 @@ SOFTMAXES = {aten.softmax.int, aten._softmax.default}
 CASTS = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.type_as.default}
 IDENTITIES = {aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default}
 ASSERTS = {aten._assert_tensor_metadata.default}
+# an in-place op on the scores ("scores /= sqrt(d)", Falcon's spelling) reads as its out-of-place twin when nothing
+# else sees the tensor it mutates
+IN_PLACE = {aten.div_.Tensor: aten.div.Tensor, aten.div_.Scalar: aten.div.Scalar, aten.mul_.Tensor: aten.mul.Tensor,
+            aten.mul_.Scalar: aten.mul.Scalar, aten.add_.Tensor: aten.add.Tensor, aten.add_.Scalar: aten.add.Scalar,
+            aten.sub_.Tensor: aten.sub.Tensor, aten.sub_.Scalar: aten.sub.Scalar,
+            aten.masked_fill_.Scalar: aten.masked_fill.Scalar, aten.masked_fill_.Tensor: aten.masked_fill.Tensor}
 VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
          aten.unflatten.int}
+
+
+# A boolean mask filled with a value this negative (finfo(float32).min, as DeBERTa and others write) is kept as that
+# value in an additive mask: SDPA adds it to the scaled scores, which it absorbs whole (its spacing is ~1e31), so a
+# row that masks every key gets the uniform weights eager's softmax gives it, where -inf would give NaN or zeros.
+ABSORBING = -1e30
 
 
 class Skip(Exception):
@@ -91,6 +103,7 @@ class Term:
     causal: bool = False
     lead: tuple = ()  # the leading dims of the scores where the term was applied
     unflatten: list[int] | None = None  # a mask laid out over flattened batch·heads: split its first dim
+    fill: float = float("-inf")  # what a boolean term writes where it masks (see ABSORBING)
 
 
 @dataclass
@@ -183,6 +196,10 @@ def _factor(other: Any, facts: Program) -> tuple[float | None, fx.Node | None]:
     raise Skip(f"the scores are scaled by a tensor of shape {list(shape(other) or [])}, not by one number")
 
 
+def _kept_fill(fill: float) -> float:
+    return fill if ABSORBING >= fill > float("-inf") else float("-inf")
+
+
 def _logits(found: Found, facts: Program) -> None:
     """Read the ops between q·kᵀ and softmax as ``scores * scale + mask``."""
     prev = found.producer
@@ -198,6 +215,10 @@ def _logits(found: Found, facts: Program) -> None:
             prev = node
             continue
         target, args = node.target, node.args
+        if target in IN_PLACE:
+            if index != 0 or len(_real_users(prev)) != 1:
+                raise Skip(f"{_name(node)} mutates scores that something else also reads")
+            target = IN_PLACE[target]
         other = args[1 - index] if index in (0, 1) and len(args) > 1 else None
         if target in (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar):
             if target in (aten.div.Tensor, aten.div.Scalar) and index != 0:
@@ -242,7 +263,7 @@ def _logits(found: Found, facts: Program) -> None:
             fill = facts.scalar_constant(args[2])
             if fill is None or fill > NEGATIVE_ENOUGH:
                 raise Skip(f"masked_fill with {args[2] if fill is None else fill} is not a mask (needs -inf)")
-            found.terms.append(Term("drop", args[1], lead=found.lead))
+            found.terms.append(Term("drop", args[1], lead=found.lead, fill=_kept_fill(fill)))
             found.ops.append("masked_fill" + ("" if fill == float("-inf") else f"({fill:.3g} as -inf)"))
         elif target in (aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf):
             if index == 0:
@@ -250,7 +271,8 @@ def _logits(found: Found, facts: Program) -> None:
             fill = facts.scalar_constant(args[3 - index])
             if fill is None or fill > NEGATIVE_ENOUGH:
                 raise Skip("where() with a value that is not -inf")
-            found.terms.append(Term("keep" if index == 1 else "drop", args[0], lead=found.lead))
+            found.terms.append(Term("keep" if index == 1 else "drop", args[0], lead=found.lead,
+                                    fill=_kept_fill(fill)))
             found.ops.append("where" + ("" if fill == float("-inf") else f"({fill:.3g} as -inf)"))
         elif target in CASTS or target in IDENTITIES:
             if target in CASTS and not (dtype(node) and dtype(node).is_floating_point):
@@ -505,10 +527,15 @@ def _combine(graph: fx.Graph, found: Found, q: fx.Node, facts: Program) -> fx.No
             node = _unflattened(graph, t, _constant(graph, t.node, facts))
             node = node if t.kind == "keep" else graph.call_function(aten.logical_not.default, (node,))
             keep = node if keep is None else graph.call_function(aten.logical_and.default, (keep, node))
+    fills = {t.fill for t in found.terms if t.kind != "add"}
+    fill = fills.pop() if len(fills) == 1 else float("-inf")
+    if keep is not None and additive is None and fill != float("-inf"):
+        return graph.call_function(aten.type_as.default,
+                                   (graph.call_function(aten.where.Scalar, (keep, 0.0, fill)), q))
     if additive is not None:
         additive = graph.call_function(aten.type_as.default, (additive, q))
         if keep is not None:
-            return graph.call_function(aten.where.ScalarOther, (keep, additive, float("-inf")))
+            return graph.call_function(aten.where.ScalarOther, (keep, additive, fill))
         return additive
     return keep
 

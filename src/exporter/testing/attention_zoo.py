@@ -164,6 +164,26 @@ class PaddingBoolean(Attention):
         return scores.softmax(-1) @ v
 
 
+class InPlaceOps(Attention):
+    """Falcon's spelling: the scores scaled and masked in place (``/=``, ``masked_fill_``)."""
+
+    def attend(self, q, k, v, mask):
+        scores = q @ k.transpose(-1, -2)
+        scores /= math.sqrt(HEAD_DIM)
+        scores.masked_fill_(mask[:, None, None, :] == 0, float("-inf"))
+        return torch.softmax(scores, dim=-1) @ v
+
+
+class PaddingBothSides(Attention):
+    """DeBERTa's mask: padded queries and keys both masked with finfo.min, so a padded query's row masks every key
+    and eager's softmax gives it uniform weights (with -inf it would be NaN)."""
+
+    def attend(self, q, k, v, mask):
+        pair = (mask[:, None, :, None] * mask[:, None, None, :]).bool()
+        scores = (q @ k.transpose(-2, -1) / math.sqrt(HEAD_DIM)).masked_fill(~pair, torch.finfo(q.dtype).min)
+        return scores.softmax(-1) @ v
+
+
 class PaddingWhere(Attention):
     def attend(self, q, k, v, mask):
         scores = q @ k.transpose(-2, -1) / math.sqrt(HEAD_DIM)
@@ -566,6 +586,10 @@ CASES = [
          masked=True),
     Case("padding_boolean", HAND, "boolean padding mask, masked_fill(-inf)", stack(PaddingBoolean), "rewritten",
          masked=True),
+    Case("in_place", HAND, "scaled and masked in place (/=, masked_fill_), as Falcon does", stack(InPlaceOps),
+         "rewritten", masked=True),
+    Case("padding_both_sides", HAND, "padded queries and keys masked with finfo.min (DeBERTa: whole rows masked)",
+         stack(PaddingBothSides), "rewritten", masked=True),
     Case("padding_where", HAND, "boolean padding mask, where(m, s, full_like(-inf))", stack(PaddingWhere),
          "rewritten", masked=True),
     Case("causal_and_padding", HAND, "causal buffer + additive padding", stack(CausalAndPadding), "rewritten",
