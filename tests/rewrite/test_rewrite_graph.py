@@ -197,7 +197,7 @@ def test_transformers_eager_attention_through_the_graph_rule():
 
 
 @pytest.mark.parametrize("name", ["padding_boolean", "gqa_expand", "bmm_reshape", "einsum_sequence_major",
-                                  "causal_masked_fill"])
+                                  "causal_masked_fill", "padding_both_sides"])
 def test_onnx_model_uses_the_attention_op(name, tmp_path):
     import collections
 

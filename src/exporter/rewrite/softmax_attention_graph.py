@@ -197,7 +197,10 @@ def _factor(other: Any, facts: Program) -> tuple[float | None, fx.Node | None]:
 
 
 def _kept_fill(fill: float) -> float:
-    return fill if ABSORBING >= fill > float("-inf") else float("-inf")
+    """The additive mask's value for a boolean term filled with ``fill``: half of it when it absorbs the scores
+    (onnxruntime's Attention reads exactly finfo(float32).min as -inf, and so would give a fully masked row zeros;
+    half of it absorbs the scores just as well), else -inf."""
+    return fill / 2 if ABSORBING >= fill > float("-inf") else float("-inf")
 
 
 def _logits(found: Found, facts: Program) -> None:
