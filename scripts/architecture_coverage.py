@@ -226,7 +226,6 @@ def main() -> int:
         if cli is None:
             print(f"Optimum's column left out: {why}", file=sys.stderr)
             args.optimum = False
-    start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="coverage-") as temp:
         work = args.work or Path(temp)
         rows = [row(arch, work, args) for arch in wanted]
@@ -235,7 +234,6 @@ def main() -> int:
         earlier = json.loads(args.rows.read_text())
         rows = [fresh.get(r["name"]) or {k: (Outcome(**v) if isinstance(v, dict) else v) for k, v in r.items()}
                 for r in earlier] + [r for r in rows if r["name"] not in {e["name"] for e in earlier}]
-    del start
     seconds = sum(v.seconds for r in rows for v in r.values() if isinstance(v, Outcome))
     text = render(rows, seconds, versions(), args.generation, args.optimum)
     if args.json:
