@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install everything from scratch into .venv, lint, type-check, then run the whole test suite (slow tests included).
 #   bash scripts/test.sh            # what CI runs
-#   bash scripts/test.sh -m "not slow"   # extra arguments go to pytest
+#   bash scripts/test.sh -m "not slow"   # extra arguments go to pytest (-n 0: one process)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
@@ -11,4 +11,6 @@ python -m pip install -q torch==2.13.0   # the CPU build first, so no dependency
 python -m pip install -q -e ".[test]"
 ruff check src tests scripts benchmarks
 mypy
-python -m pytest "$@"
+# two workers, one test file each at a time (a file's fixtures are built once): the tests wait on child processes
+# and compilers as much as they compute, so two share the 2-core CI machine well
+python -m pytest -n 2 --dist loadfile "$@"

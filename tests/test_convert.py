@@ -76,7 +76,7 @@ def sha256(path: Path) -> str:
                          [("gpt2", ["logits"], True, False, True),
                           ("llama", ["logits"], True, True, True),
                           ("vit", ["last_hidden_state", "pooler_output"], False, False, False),
-                          ("minilm", ["last_hidden_state", "pooler_output"], False, False, True)])
+                          ("minilm", ["token_embeddings", "sentence_embedding"], False, False, True)])
 def test_every_target_builds_and_passes(converted, name, outputs, causal, gqa, masked):
     result = converted(name)
     report = result.report
@@ -104,6 +104,35 @@ def test_every_target_builds_and_passes(converted, name, outputs, causal, gqa, m
     for site in attention["sites"]:
         assert (site["causal"], site["grouped_query"], site["masked"]) == (causal, gqa, masked), site
     assert report["reference"]["dtype"] == "float64" and report["reference"]["flops"] > 0
+
+
+def test_a_sentence_transformers_folder_is_exported_with_its_pipeline_and_loads_as_a_model_folder(converted,
+                                                                                                   minilm_path):
+    """MiniLM's ONNX model and exported program give SentenceTransformer.encode's embeddings (float64, cosine
+    >= 0.99999) from token ids of the tokenizer read back from the output folder."""
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoConfig, AutoTokenizer
+
+    result = converted("minilm")
+    pipeline = result.report["model"]["pipeline"]
+    assert pipeline["included"] and pipeline["modules"][1:] == ["1 Pooling (mean)", "2 Normalize"]
+    assert {"config.json", "tokenizer.json", "vocab.txt"} <= set(result.report["model"]["folder_files"])
+    assert "- Pipeline: sentence-transformers 0 Transformer" in (result.out / "report.md").read_text()
+    listed = {f["path"] for f in json.loads((result.out / "manifest.json").read_text())["files"]}
+    assert {"config.json", "tokenizer.json"} <= listed
+    assert AutoConfig.from_pretrained(result.out).model_type == "bert"
+    texts = ["A cat sits on the mat.", "Release engineers want proof before they ship a model.", "x"]
+    tokens = AutoTokenizer.from_pretrained(result.out)(texts, padding=True, return_tensors="pt")
+    expected = SentenceTransformer(str(minilm_path), device="cpu").to(torch.float64).encode(texts,
+                                                                                          convert_to_tensor=True)
+    session = ort.InferenceSession(str(result.out / "model.onnx"))
+    feeds = {i.name: tokens[i.name].numpy() for i in session.get_inputs()}
+    onnx_out = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+    program = torch.export.load(str(result.out / "model.pt2")).module()
+    ep_out = program(tokens["input_ids"], tokens["attention_mask"])[1]
+    for got in (torch.from_numpy(onnx_out["sentence_embedding"]), ep_out):
+        cosine = torch.nn.functional.cosine_similarity(got.to(torch.float64), expected, dim=-1)
+        assert cosine.min().item() >= 0.99999, cosine
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "vit"])

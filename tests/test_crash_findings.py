@@ -45,14 +45,16 @@ class KillAt(Progress):
                                    "attention kernels"])
 def test_a_child_killed_at_any_stage_fails_its_own_target_only(tiny_models, tmp_path, stage):
     progress = KillAt(stage, "exported_program")
+    # the AOTInductor package (minutes of compile on this CPU) is one of the survivors at one stage only
+    others = ("aoti", "onnx") if stage == "benchmark" else ("onnx",)
     result = exporter.convert(tiny_models["llama"], "cpu-fp32", tmp_path / "out", progress=progress,
-                              targets=("exported_program", "aoti", "onnx"))
+                              targets=("exported_program", *others))
     assert progress.killed is not None
     report = result.report
     status = {a["name"]: a for a in report["artifacts"]}
     assert status["exported_program"]["status"] == "failed", status["exported_program"]
     assert "SIGKILL" in status["exported_program"]["error"]
-    for name in ("aoti", "onnx"):  # the others are judged and timed as if nothing happened
+    for name in others:  # the others are judged and timed as if nothing happened
         assert status[name]["status"] == "ok", status[name]["error"]
         assert status[name]["numerics"]["passed"] and status[name]["bench"]["median_ms"] > 0
     assert report["rewritten"]["status"] == "ok"

@@ -19,7 +19,7 @@ from .errors import CheckpointError, ExporterError
 from .inputs import plan_inputs
 from .measure.memory import TreeMemory, peak_rss_bytes
 from .modelio import Signature, discover_outputs
-from .outdir import OutputFolder, disk_full, model_name, os_problem, path_from, public_command
+from .outdir import OutputFolder, copy_model_files, disk_full, model_name, os_problem, path_from, public_command
 from .pipeline import ConvertRun
 from .prepare import original_module
 from .progress import Progress
@@ -94,6 +94,8 @@ def convert(checkpoint: str | Path, recipe: str | Path | Recipe = "cpu-fp32", ou
                     manifest_inputs = run.manifest_inputs()
                     opened = run.loaded.checkpoint if run.loaded else None
             unchanged(opened)
+            if opened is not None:
+                data["model"]["folder_files"] = copy_model_files(opened.root, folder.staged)
             data["memory"] = memory_section(recipe_obj, data["model"]["checkpoint_bytes"], tree)
             data["run"] = {"command": public_command(command) if command else None, "settings": list(settings)}
             data["model"]["checkpoint"] = path_from(folder.final, checkpoint)  # from where the report will be
@@ -127,7 +129,7 @@ def inspect(checkpoint: str | Path, recipe: str | Path | Recipe = "cpu-fp32", *,
             tensors: tuple[str, ...] = ()) -> dict[str, Any]:
     """Architecture, parameter count, dtypes and attention sites of a checkpoint, without exporting."""
     recipe_obj = resolve_recipe(recipe, model, dims, tensors)
-    loaded = load_model(checkpoint, recipe_obj.model.factory, allow_pickle)
+    loaded = load_model(checkpoint, recipe_obj.model.factory, allow_pickle, recipe_obj.model.pipeline)
     plan = plan_inputs(loaded.model, recipe_obj.inputs, inputs)
     outputs = discover_outputs(loaded.model, plan.samples[0], recipe_obj.model.outputs)
     signature = Signature(plan.names, outputs)

@@ -27,12 +27,19 @@ class Signature:
     outputs: tuple[str, ...]
 
 
-def is_transformers_model(model: nn.Module) -> bool:
+def transformers_core(model: nn.Module) -> Any:
+    """The transformers ``PreTrainedModel`` that ``model`` is, or that a pipeline around it wraps (a
+    sentence-transformers folder's pooling: ``wrapped_transformer``); else None."""
     try:
         from transformers import PreTrainedModel  # noqa: PLC0415 - transformers is optional
     except ImportError:
-        return False
-    return isinstance(model, PreTrainedModel)
+        return None
+    candidate = getattr(model, "wrapped_transformer", model)
+    return candidate if isinstance(candidate, PreTrainedModel) else None
+
+
+def is_transformers_model(model: nn.Module) -> bool:
+    return transformers_core(model) is not None
 
 
 def forward_parameters(model: nn.Module) -> dict[str, inspect.Parameter]:
@@ -93,8 +100,8 @@ def step_positions(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
 @contextlib.contextmanager
 def attention_implementation(model: nn.Module, name: str | None):
     """Temporarily switch a transformers model's attention implementation (restored on exit)."""
-    hf: Any = model  # a transformers PreTrainedModel: config and set_attn_implementation
-    if name is None or not is_transformers_model(model) or hf.config._attn_implementation == name:
+    hf = transformers_core(model)  # config and set_attn_implementation
+    if name is None or hf is None or hf.config._attn_implementation == name:
         yield
         return
     previous = hf.config._attn_implementation

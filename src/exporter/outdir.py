@@ -27,6 +27,28 @@ from .dtypes import name_of, safetensors_code
 from .errors import OutputError
 from .supervisor import report
 
+# the checkpoint's files that make an output folder a model folder, copied beside the artifacts, so tools that
+# read a folder (AutoTokenizer/AutoConfig.from_pretrained(OUT), Optimum's ORTModel, pipelines) find them
+MODEL_FOLDER_FILES = (
+    "config.json", "generation_config.json",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.txt", "vocab.json", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
+    "source.spm", "target.spm", "chat_template.jinja", "chat_template.json",
+    "preprocessor_config.json", "processor_config.json", "normalizer.json",
+)
+
+
+def copy_model_files(root: Path, staging: Path) -> list[str]:
+    """Copy each of :data:`MODEL_FOLDER_FILES` that the checkpoint folder ``root`` holds into ``staging``; the
+    names copied."""
+    copied = []
+    for name in MODEL_FOLDER_FILES:
+        source = root / name
+        if source.is_file() and not (staging / name).exists():
+            shutil.copyfile(source, staging / name)
+            copied.append(name)
+    return copied
+
 
 def sha256_file(path: Path, chunk: int = 8 * 1024 * 1024) -> str:
     digest = hashlib.sha256()

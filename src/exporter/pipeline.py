@@ -108,7 +108,8 @@ class ConvertRun:
         self.spares = Spares(self.children_expected(), self.log_path, device)
 
         with progress.stage("load", str(self.checkpoint)):
-            self.loaded = loaded = load_model(self.checkpoint, recipe.model.factory, self.allow_pickle)
+            self.loaded = loaded = load_model(self.checkpoint, recipe.model.factory, self.allow_pickle,
+                                                 recipe.model.pipeline)
             bad = check_finite(loaded.model)
             if bad:
                 names = listing(bad)
@@ -143,7 +144,8 @@ class ConvertRun:
         rewritten.to(device=device, dtype=torch_dtype(dtype))  # a rewritten graph may hold its own buffers
         example = [(t.to(torch_dtype(dtype)) if t.is_floating_point() else t).to(device) for t in samples[0]]
         source = ModelSource(str(self.checkpoint.resolve()), recipe.model.factory, self.allow_pickle,
-                             signature.inputs, signature.outputs, str(inputs_path), recipe.runtime.rewrite_attention)
+                             signature.inputs, signature.outputs, str(inputs_path), recipe.runtime.rewrite_attention,
+                             recipe.model.pipeline)
         ctx = BuildContext(rewritten, plan, recipe, self.staging, source, example)
         self.validation = validation = Validation(recipe, signature, reference, samples, original, self.log_path,
                                                    self.spares)

@@ -29,7 +29,7 @@ def original_module(loaded: LoadedModel, signature: Signature) -> IOModule:
 
 def from_source(source: ModelSource) -> Prepared:
     """Rebuild what convert built, in another process: load, wrap, rewrite (audited on the stored sample 0)."""
-    loaded = load_model(source.checkpoint, source.factory, source.allow_pickle)
+    loaded = load_model(source.checkpoint, source.factory, source.allow_pickle, source.pipeline)
     signature = Signature(source.inputs, source.outputs)
     original = original_module(loaded, signature)
     stored = load_file(source.example_file)

@@ -73,6 +73,7 @@ class ModelSection:
     outputs: tuple[str, ...] = ()
     nonfinite_weights: str = "warn"  # NaN/Inf in the checkpoint: "warn" (default) or "error"
     task: str = "forward"  # "text-generation": a decoder's prefill and decode over a static KV cache
+    pipeline: bool = True  # a sentence-transformers folder's pooling/normalisation in the artifact; false: bare model
 
 
 @dataclass(frozen=True)
@@ -406,13 +407,14 @@ def parse_recipe(data: dict, name: str, source: str, problems: _Problems | None 
         return value
 
     t = table("model")
-    _unknown(t, {"factory", "outputs", "nonfinite_weights", "task"}, "model", p)
+    _unknown(t, {"factory", "outputs", "nonfinite_weights", "task", "pipeline"}, "model", p)
     factory = _get(t, "factory", str, None, "model", p)
     if factory is not None and not _FACTORY.match(factory):
         p.add("model.factory", f"{factory!r} is not of the form package.module:function")
     model = ModelSection(factory=factory, outputs=_str_list(t, "outputs", (), "model", p),
                          nonfinite_weights=_get(t, "nonfinite_weights", str, "warn", "model", p),
-                         task=_get(t, "task", str, "forward", "model", p))
+                         task=_get(t, "task", str, "forward", "model", p),
+                         pipeline=_get(t, "pipeline", bool, True, "model", p))
     _choice(model.nonfinite_weights, NONFINITE_POLICIES, "model.nonfinite_weights", p)
     _choice(model.task, TASKS, "model.task", p)
 

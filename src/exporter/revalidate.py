@@ -78,7 +78,7 @@ def validate_folder(out_dir: str | Path, *, locate: bool = False, targets: tuple
     device, dtype = recipe.runtime.device, recipe.runtime.dtype
     with quiet_libraries(), tempfile.TemporaryDirectory(prefix="exporter-validate-") as logs:
         with progress.stage("load", str(source)):
-            loaded = load_model(source, recipe.model.factory, allow_pickle)
+            loaded = load_model(source, recipe.model.factory, allow_pickle, recipe.model.pipeline)
             samples, reference = load_reference(out, report)
             plan = plan_inputs(loaded.model, recipe.inputs)
             signature = Signature(tuple(report["inputs"]["names"]), tuple(report["outputs"]))

@@ -9,7 +9,7 @@ Without the checkpoint, in a fresh process:
    the stored reference inputs (``reference/inputs.safetensors``). Each output of each sample is compared
    with the stored float64 reference output (``reference/outputs.safetensors``) against the bar convert
    stored for that very (sample, output) (``numerics.checks[].allowed_rmse`` in report.json:
-   ``k * rmse(eager in the artifact's dtype, ref64) + atol``). NaN or Inf where the reference is finite
+   ``k * s(n) * rmse(eager in the artifact's dtype, ref64) + floor + atol``). NaN or Inf where the reference is finite
    fails, integer outputs must match exactly.
 
 An artifact whose files do not match the manifest is not loaded: running a file that is not the one

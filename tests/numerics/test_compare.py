@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from exporter.numerics.compare import Accumulator, InFile, InMemory, chunks, rmse_of, safetensors_index
-from exporter.numerics.tolerance import check_output, metrics
+from exporter.numerics.tolerance import check_output, explain_bar, metrics, widened
 from exporter.outdir import save_tensors
 
 
@@ -55,8 +55,9 @@ def test_the_verdict_matches_check_output():
     base = rmse_of(reference, baseline, chunk=100)
     assert base == pytest.approx(metrics(reference, baseline)["rmse"], rel=1e-12)
     whole = check_output("logits", 1, reference, baseline, candidate, 3.0, 1e-3)
-    chunked = accumulate(reference, candidate, 50).check("logits", 1, 3.0 * base + 1e-3, base,
-                                                           f"k=3 x baseline {base:.3g} + atol 0.001")
+    n = reference.numel()
+    chunked = accumulate(reference, candidate, 50).check("logits", 1, widened(3.0, n) * base + 1e-3, base,
+                                                           explain_bar(3.0, base, None, 1e-3, n))
     assert (chunked.passed, chunked.reason) == (whole.passed, whole.reason)
     assert chunked.rmse == pytest.approx(whole.rmse, rel=1e-12)
 

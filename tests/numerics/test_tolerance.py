@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
-from exporter.numerics.tolerance import check_output, judge, metrics
+from exporter.numerics.tolerance import FALSE_FAILURE, check_output, judge, metrics, sampling_factor
 
 
 def test_metrics_of_identical_and_scaled():
@@ -92,3 +93,37 @@ def test_a_variant_replaying_a_failed_artifact_fails_with_it():
     package, graphed = _judged("aoti", True), _judged("aoti:cuda-graph", True, replays="aoti")
     inherit_verdicts([package, graphed])
     assert graphed.status == OK and graphed.numerics.passed
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 16, 64, 1000, 4000, 4001, 10**6])
+def test_the_sampling_factor_is_the_f_distributions_quantile(n):
+    stats = pytest.importorskip("scipy.stats")
+    expected = stats.f.ppf(1 - FALSE_FAILURE, n, n) ** 0.5
+    assert math.isclose(sampling_factor(n), expected, rel_tol=1e-4)
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_a_candidate_as_accurate_as_eager_on_a_tiny_output_passes(n):
+    """On one or four values, two equally accurate models' errors differ by large factors by chance: k alone
+    fails a third (n = 1) or a tenth (n = 4) of such candidates; k * s(n) fails about FALSE_FAILURE of them."""
+    generator = torch.Generator().manual_seed(n)
+    trials = 4000
+    ref = torch.randn(trials, n, dtype=torch.float64, generator=generator)
+    eager = ref + 1e-7 * torch.randn(trials, n, dtype=torch.float64, generator=generator)
+    candidate = ref + 1e-7 * torch.randn(trials, n, dtype=torch.float64, generator=generator)
+    failed = sum(not check_output("y", 0, r, e, c, k=2.0, atol=0.0).passed
+                 for r, e, c in zip(ref, eager, candidate))
+    plain = float((((candidate - ref).square().mean(1) > (2 * (eager - ref)).square().mean(1))).double().mean())
+    assert plain > (0.25 if n == 1 else 0.08)  # what the rule without s(n) did
+    assert failed <= 5  # FALSE_FAILURE * trials = 0.4 expected
+
+
+def test_a_defect_on_a_large_output_still_fails():
+    torch.manual_seed(0)
+    ref = torch.randn(64, 64, dtype=torch.float64)
+    eager = ref + 1e-7 * torch.randn_like(ref)
+    assert sampling_factor(ref.numel()) < 1.06
+    check = check_output("y", 0, ref, eager, ref + 2.5e-7 * torch.randn_like(ref), k=2.0, atol=0.0)
+    assert not check.passed
+    tiny = check_output("y", 0, ref[:1, :1], eager[:1, :1], ref[:1, :1] + 1.0, k=2.0, atol=0.0)
+    assert not tiny.passed and "s(1)=6.37e+03" in tiny.reason  # a gross error on one value still fails

@@ -21,7 +21,12 @@ def leftovers() -> set[str]:
     return {p.name for pattern in ("aotinductor_*", "exporter-child-*") for p in temp.glob(pattern)}
 
 
-def test_a_convert_and_a_verify_leave_no_temporary_folder(tiny_models, tmp_path):
+def test_a_convert_and_a_verify_leave_no_temporary_folder(tiny_models, tmp_path, monkeypatch):
+    # a temporary folder of this test's own: other tests running beside it (pytest -n) use the shared one
+    private = tmp_path / "tmp"
+    private.mkdir()
+    monkeypatch.setenv("TMPDIR", str(private))
+    monkeypatch.setattr(tempfile, "tempdir", str(private))
     before = leftovers()
     result = exporter.convert(tiny_models["gpt2"], "cpu-fp32", tmp_path / "out", targets=("exported_program", "aoti"))
     assert result.exit_code == 0, result.problems

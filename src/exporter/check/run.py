@@ -6,7 +6,7 @@
 Nothing is built. The artifact's files are copied into the output folder first (hard-linked where the file
 system allows), so what was judged is exactly what ``manifest.json`` hashes and ``exporter verify`` re-runs
 later. The gate is convert's (``numerics/``): a float64 run of the checkpoint's model on the recipe's device,
-``rmse <= k * rmse(eager in the artifact's dtype) + floor`` per sample and output, the shape grid within the
+``rmse <= k * s(n) * rmse(eager in the artifact's dtype) + floor`` per sample and output, the shape grid within the
 artifact's own dynamic dims, the first divergent module (ONNX: its intermediate values, by module scope;
 ``.pt2``: its unflattened submodules). A decoder with past (Optimum's ``text-generation-with-past``) is judged
 step by step (:mod:`exporter.check.past`).
@@ -192,7 +192,8 @@ class CheckRun:
 
         progress, t_start = self.progress, time.perf_counter()
         with progress.stage("load", str(self.checkpoint)):
-            loaded = load_model(self.checkpoint, self.recipe.model.factory, self.allow_pickle)
+            loaded = load_model(self.checkpoint, self.recipe.model.factory, self.allow_pickle,
+                                    self.recipe.model.pipeline)
         past = next((a for a in self.artifacts if a.past is not None), None)
         if past is not None and len(self.artifacts) > 1:
             raise UsageError(f"{self.source} holds a decoder with past and other models "

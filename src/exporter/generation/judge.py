@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..numerics.tolerance import check_against, explain_bar, metrics, verdict_of_checks
+from ..numerics.tolerance import check_against, explain_bar, metrics, verdict_of_checks, widened
 
 
 def step_name(step: int) -> str:
@@ -27,13 +27,13 @@ def step_name(step: int) -> str:
 
 
 def step_bars(reference: torch.Tensor, baseline: torch.Tensor, k: float, relative: float, atol: float) -> list[dict]:
-    """Each step's bar: ``k * rmse(baseline, reference) + relative * rms(reference) + atol``."""
+    """Each step's bar: ``k * s(n) * rmse(baseline, reference) + relative * rms(reference) + atol``."""
     bars = []
     for ref, base in zip(reference, baseline):
         m = metrics(ref, base)
         floor = relative * m["ref_rms"]
-        bars.append({"allowed_rmse": k * m["rmse"] + floor + atol, "baseline_rmse": m["rmse"],
-                     "explain": explain_bar(k, m["rmse"], floor, atol)})
+        bars.append({"allowed_rmse": widened(k, ref.numel()) * m["rmse"] + floor + atol, "baseline_rmse": m["rmse"],
+                     "explain": explain_bar(k, m["rmse"], floor, atol, ref.numel())})
     return bars
 
 

@@ -92,6 +92,11 @@ def sdpa_refusal(model: torch.nn.Module, transformers: bool) -> str | None:
     None when it will. The model then keeps its eager attention, and each site says why."""
     if not transformers:
         return None
+    hf: Any = model  # a transformers PreTrainedModel
+    if not hf._can_set_attn_implementation():  # Falcon: set_attn_implementation would only warn
+        return (f"transformers cannot switch {type(model).__name__} to SDPA once it is built (it does not dispatch "
+                "attention through AttentionInterface); the forward convert's graph rule rewrites it, the decode "
+                "programs keep it as written")
     try:
         with attention_implementation(model, "sdpa"):
             pass
@@ -266,7 +271,8 @@ def convert_generation(checkpoint: Path, recipe: Recipe, staging: Path, allow_dr
     (staging / "logs").mkdir(exist_ok=True)
 
     with progress.stage("load", str(checkpoint)):
-        loaded: LoadedModel = load_model(checkpoint, recipe.model.factory, allow_pickle)
+        loaded: LoadedModel = load_model(checkpoint, recipe.model.factory, allow_pickle,
+                                               pipeline=False)
         model = loaded.model.eval()
         transformers = loaded.architecture.is_transformers
         check_window(getattr(model, "config", None), gen.max_cache_len)

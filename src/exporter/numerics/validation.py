@@ -29,7 +29,7 @@ from .compare import InMemory, read_stream, rmse_of
 from .grid import GridPlan, artifact_signature, describe_signature, plan_grid, point_sample
 from .locate import locate
 from .reference import Reference, cast_in_place, full_float32, run_reference
-from .tolerance import explain_bar, relative_floor, verdict_of_checks
+from .tolerance import explain_bar, relative_floor, verdict_of_checks, widened
 
 # What localisation replays for each kind of candidate (the report quotes these).
 REPLAYED = {
@@ -149,8 +149,8 @@ class Validation:
         relative = relative_floor(self.recipe.numerics.floor, dtype)
         items = read_stream(stream, names, [InMemory(ref) for ref in references], sample)
         return [item if isinstance(item, OutputCheck) else
-                item.check(name, sample, k * base[i] + atol, base[i], explain_bar(k, base[i], None, atol),
-                           relative=relative)
+                item.check(name, sample, widened(k, references[i].numel()) * base[i] + atol, base[i],
+                           explain_bar(k, base[i], None, atol, references[i].numel()), relative=relative)
                 for i, (name, item) in enumerate(zip(names, items))]
 
     def judge(self, result: VariantResult, runner) -> None:

@@ -61,6 +61,8 @@ def model_section(checkpoint: Path, loaded) -> dict[str, Any]:
         "parameters": sum(p.numel() for p in loaded.model.parameters()),
         "checkpoint_bytes": loaded.checkpoint.nbytes,
         "checkpoint_dtypes": checkpoint_dtypes(loaded.checkpoint),
+        "pipeline": loaded.pipeline.to_dict() if loaded.pipeline is not None else None,
+        "folder_files": [],  # the checkpoint's config and tokenizer files copied beside the artifacts
     }
 
 

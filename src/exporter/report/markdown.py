@@ -90,6 +90,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         f"- Model: `{r['model']['architecture']}` ({r['model']['architecture_source']}), "
         f"{r['model']['parameters']:,} parameters",
+        *_folder_lines(r),
         f"- Recipe: `{r['recipe']['name']}` — {r['recipe']['device']}, {r['recipe']['dtype']}, "
         f"attention backend `{r['recipe']['attention_backend']}`",
         f"- Device: {r['environment']['device'].get('name')}; torch {r['environment']['versions']['torch']}",
@@ -134,6 +135,22 @@ def render_markdown(report: dict[str, Any]) -> str:
                          f"| {_b(s['grouped_query'])} | {s['head_dim'] or '—'} | {s['reason'] or ''} |")
     lines += ["", f"Exit code {r['exit_code']}. Full data: `report.json`; hashes: `manifest.json`.", ""]
     return "\n".join(lines)
+
+
+def _folder_lines(r: dict[str, Any]) -> list[str]:
+    """The pipeline a sentence-transformers folder brought (or why it was left out), and the model-folder files
+    copied beside the artifacts."""
+    lines = []
+    pipeline = r["model"].get("pipeline")
+    if pipeline:
+        modules = ", ".join(pipeline["modules"])
+        lines.append(f"- Pipeline: sentence-transformers {modules} — in the artifacts (outputs "
+                     f"{', '.join(f'`{o}`' for o in r['outputs'])})" if pipeline["included"] else
+                     f"- Pipeline: sentence-transformers {modules} — left out: {pipeline['reason']}")
+    files = r["model"].get("folder_files")
+    if files:
+        lines.append(f"- Model folder: {', '.join(f'`{f}`' for f in files)} copied beside the artifacts")
+    return lines
 
 
 def _slower_lines(r: dict[str, Any]) -> list[str]:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..modelio import IOModule, is_transformers_model, make_io_module
+from ..modelio import IOModule, is_transformers_model, make_io_module, transformers_core
 from .audit import REWRITTEN, AttentionAudit, Site
 
 KIND = "transformers AttentionInterface"
@@ -55,10 +55,11 @@ def _recording(calls: list[dict[str, Any]]):
 
 def rewrite(io: IOModule, example: list[torch.Tensor], audit: AttentionAudit) -> IOModule:
     """Return an IOModule over the same model that runs SDPA; add one Site per attention module."""
-    model: Any = io.model  # a transformers PreTrainedModel
+    model: Any = io.model  # a transformers PreTrainedModel, or a pipeline around one
+    core = transformers_core(model)
     names = {id(m): n for n, m in model.named_modules()}
-    if not model._can_set_attn_implementation():  # its eager attention is left to softmax_attention_graph
-        audit.notes.append(f"{RULE}: {type(model).__name__} does not dispatch attention through AttentionInterface; "
+    if not core._can_set_attn_implementation():  # its eager attention is left to softmax_attention_graph
+        audit.notes.append(f"{RULE}: {type(core).__name__} does not dispatch attention through AttentionInterface; "
                            "its attention is left to the graph rule")
         return io
     rewritten = make_io_module(model, io.signature, attn_implementation="sdpa")
@@ -67,7 +68,7 @@ def rewrite(io: IOModule, example: list[torch.Tensor], audit: AttentionAudit) ->
         with _recording(calls), torch.inference_mode():
             rewritten(*example)
     except Exception as exc:  # its eager attention is left to softmax_attention_graph
-        audit.notes.append(f"{RULE}: {type(model).__name__} failed under sdpa ({type(exc).__name__}: {exc}); "
+        audit.notes.append(f"{RULE}: {type(core).__name__} failed under sdpa ({type(exc).__name__}: {exc}); "
                            "kept eager, its attention is left to the graph rule")
         return io
     seen: dict[int, Site] = {}
@@ -85,6 +86,6 @@ def rewrite(io: IOModule, example: list[torch.Tensor], audit: AttentionAudit) ->
             heads=heads, kv_heads=kv_heads, head_dim=q[-1] if q else None)
     audit.sites.extend(seen.values())
     if not seen:
-        audit.notes.append(f"{type(model).__name__} ran no attention through AttentionInterface")
+        audit.notes.append(f"{type(core).__name__} ran no attention through AttentionInterface")
         return io
     return rewritten

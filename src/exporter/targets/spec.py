@@ -58,6 +58,7 @@ class ModelSource:
     outputs: tuple[str, ...]
     example_file: str  # safetensors of the reference inputs; sample 0 drives the rewrite's audit run
     rewrite: bool = True  # the recipe's runtime.rewrite_attention
+    pipeline: bool = True  # the recipe's model.pipeline (a sentence-transformers folder's modules)
 
 
 @dataclass(frozen=True)
