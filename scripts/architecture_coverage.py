@@ -119,8 +119,10 @@ def row(arch: Arch, work: Path, args) -> dict:
     model = arch.save(work / "models" / arch.name)
     entry: dict = {"name": arch.name, "kind": arch.kind, "model": type(arch.build()).__name__,
                    "optimum_task": arch.optimum_task}
-    print(f"[{arch.name}] exporter", file=sys.stderr, flush=True)
-    entry["forward"] = exporter_run(model, work / "exporter" / arch.name, ["-t", "exported_program", "-t", "onnx"])
+    if args.forward:
+        print(f"[{arch.name}] exporter", file=sys.stderr, flush=True)
+        entry["forward"] = exporter_run(model, work / "exporter" / arch.name,
+                                        ["-t", "exported_program", "-t", "onnx"])
     if arch.generation and args.generation:
         print(f"[{arch.name}] exporter --task {arch.generation}", file=sys.stderr, flush=True)
         entry["generation"] = exporter_run(model, work / "generation" / arch.name,
@@ -208,6 +210,8 @@ def main() -> int:
     parser.add_argument("--work", type=Path, default=None, help="folder for the models and outputs (default: temp)")
     parser.add_argument("--no-optimum", dest="optimum", action="store_false")
     parser.add_argument("--no-generation", dest="generation", action="store_false")
+    parser.add_argument("--no-forward", dest="forward", action="store_false",
+                        help="run only the other columns (with --rows: the forward verdicts are kept from there)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
     parser.add_argument("--rows", type=Path, default=None,
                         help="rows of an earlier run (its --json): rows not run now are taken from it")
@@ -224,10 +228,10 @@ def main() -> int:
     if args.rows:
         fresh = {r["name"]: r for r in rows}
         earlier = json.loads(args.rows.read_text())
-        rows = [fresh.get(r["name"]) or {k: (Outcome(**v) if isinstance(v, dict) else v) for k, v in r.items()}
+        rows = [{**{k: (Outcome(**v) if isinstance(v, dict) else v) for k, v in r.items()}, **fresh.get(r["name"], {})}
                 for r in earlier] + [r for r in rows if r["name"] not in {e["name"] for e in earlier}]
     seconds = sum(v.seconds for r in rows for v in r.values() if isinstance(v, Outcome))
-    text = render(rows, seconds, versions(), args.generation, args.optimum)
+    text = render(rows, seconds, versions(), any("generation" in r for r in rows), any("optimum" in r for r in rows))
     if args.json:
         args.json.write_text(json.dumps([{k: (v.__dict__ if isinstance(v, Outcome) else v) for k, v in r.items()}
                                          for r in rows], indent=1))

@@ -13,4 +13,4 @@ ruff check src tests scripts benchmarks
 mypy
 # two workers, one test file each at a time (a file's fixtures are built once): the tests wait on child processes
 # and compilers as much as they compute, so two share the 2-core CI machine well
-python -m pytest -n 2 --dist loadfile "$@"
+python -m pytest -n 2 --dist loadfile --durations=25 "$@"

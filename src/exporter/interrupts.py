@@ -36,7 +36,7 @@ def received() -> int | None:
 
 def check() -> None:
     """Raise :class:`Stop` if a signal was recorded (a raise the handler made may have been discarded)."""
-    if _received is not None:
+    if _received is not None and _depth:  # outside a watched block, a signal an earlier block ended on is spent
         raise Stop(_received)
 
 

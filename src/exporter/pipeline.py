@@ -20,9 +20,10 @@ import torch
 from . import report as report_mod
 from .checkpoint import LoadedModel, check_finite, load_model
 from .checkpoint.loader import listing
+from .checkpoint.sentence_pipeline import PipelineMismatch, cross_check
 from .dtypes import torch_dtype
 from .environment import check_space, space_needs
-from .errors import CheckpointError
+from .errors import ArchitectureError, CheckpointError
 from .inputs import plan_inputs
 from .measure.bench import benchmark, slower_than_source
 from .measure.kernels import audit_kernels
@@ -100,6 +101,29 @@ class ConvertRun:
             self.warnings.append(message)
             self.progress.warn(message)
 
+    def check_pipeline(self, sample: dict[str, torch.Tensor], outputs: list[torch.Tensor],
+                       names: tuple[str, ...]) -> None:
+        """A sentence-transformers pipeline rebuilt around the model: sentence-transformers' own modules run on
+        the reference's token embeddings must give its sentence embedding (else nothing is published)."""
+        loaded = self.loaded
+        info = loaded.pipeline if loaded else None
+        if loaded is None or info is None or not info.included:
+            return
+        by_name = dict(zip(names, outputs))
+        if not {"token_embeddings", "sentence_embedding"} <= set(by_name):
+            info.checked = "not run: model.outputs leaves out token_embeddings or sentence_embedding"
+            return
+        tokens = by_name["token_embeddings"]
+        mask = sample.get("attention_mask")
+        mask = torch.ones(tokens.shape[:-1], dtype=torch.int64) if mask is None else mask
+        try:
+            info.checked = cross_check(loaded.checkpoint.root, tokens, mask, by_name["sentence_embedding"])
+        except PipelineMismatch as exc:
+            raise ArchitectureError(
+                f"the sentence-transformers pipeline rebuilt for {loaded.checkpoint.root.name} differs from "
+                f"sentence-transformers' own modules ({exc})",
+                "set model.pipeline = false (--set model.pipeline=false) to export the transformer alone") from None
+
     def execute(self) -> dict[str, Any]:
         recipe, progress = self.recipe, self.progress
         device, dtype = recipe.runtime.device, recipe.runtime.dtype
@@ -133,6 +157,7 @@ class ConvertRun:
         with progress.stage("reference", f"original model, float64, {device}"):
             reference = run_reference(original, plan.samples, device=device)
             save_tensors(self.staging / "reference" / "outputs.safetensors", reference.outputs, signature.outputs)
+            self.check_pipeline(plan.samples[0], reference.outputs[0], signature.outputs)
 
         with progress.stage("rewrite attention"):
             on_device = [t.to(device) for t in samples[0]]

@@ -350,3 +350,38 @@ def test_outputs_without_the_models_names_are_compared_in_order(tiny_models, tmp
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["outputs"] == ["last_hidden_state", "pooler_output"]
     assert any("compared with the model's" in n for n in report["inputs"]["notes"])
+
+
+def sentence_transformers_folder(bert: Path, folder: Path) -> Path:
+    """The tiny BERT as a sentence-transformers folder: mean pooling, then normalisation."""
+    shutil.copytree(bert, folder)
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64,
+                                                                   "pooling_mode_mean_tokens": True}))
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    return folder
+
+
+def test_a_bare_transformer_export_of_a_sentence_transformers_folder_is_judged_against_the_transformer(
+        tiny_models, tmp_path):
+    """An ONNX model of the transformer alone (last_hidden_state, pooler_output), checked against the
+    sentence-transformers folder it came from, is compared with the transformer, not with the pipeline's
+    token_embeddings and sentence_embedding, and the report says so."""
+    from transformers import BertModel
+
+    folder = sentence_transformers_folder(tiny_models["bert"], tmp_path / "st")
+    model = BertModel.from_pretrained(folder, attn_implementation="sdpa").eval()
+    ids = torch.randint(0, 1000, (2, 16))
+    path = tmp_path / "bare.onnx"
+    torch.onnx.export(model, (), str(path), kwargs={"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                      input_names=["input_ids", "attention_mask"], output_names=["last_hidden_state", "pooler_output"],
+                      dynamic_shapes={"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}},
+                      dynamo=True)
+    done = run_check(path, "--against", folder, "--out", tmp_path / "out")
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["outputs"] == ["last_hidden_state", "pooler_output"]
+    assert any("judged against the transformer alone" in n for n in report["inputs"]["notes"])

@@ -75,3 +75,35 @@ def test_a_module_it_does_not_rebuild_leaves_the_transformer_alone_and_says_whic
 def test_pipeline_off_loads_the_bare_transformer(minilm_path):
     loaded = load_model(minilm_path, pipeline=False)
     assert type(loaded.model).__name__ == "BertModel" and loaded.pipeline is None
+
+
+def test_the_run_checks_the_rebuild_against_sentence_transformers_own_modules(minilm_path):
+    from exporter.checkpoint.sentence_pipeline import PipelineMismatch, cross_check
+
+    loaded = load_model(minilm_path)
+    model = loaded.model.to(torch.float64).eval()
+    ids = torch.randint(0, 30000, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0
+    with torch.inference_mode():
+        out = model(input_ids=ids, attention_mask=mask)
+    said = cross_check(minilm_path, out["token_embeddings"], mask, out["sentence_embedding"])
+    assert said.startswith(f"sentence-transformers {st.__version__}'s own modules") and "max |difference|" in said
+    wrong = out["sentence_embedding"].clone()
+    wrong[1] = torch.nn.functional.normalize(out["token_embeddings"][1].mean(0), dim=-1)  # padding pooled too
+    with pytest.raises(PipelineMismatch, match="max |difference|"):
+        cross_check(minilm_path, out["token_embeddings"], mask, wrong)
+
+
+def test_a_convert_whose_rebuilt_pipeline_disagrees_publishes_nothing(minilm_path, tmp_path, monkeypatch):
+    """A planted defect in the rebuild (mean pooling over the padding as well) is caught by the run's own check
+    before anything is built: exit 2 with the fix, no output folder."""
+    import exporter
+    from exporter.checkpoint import sentence_pipeline
+    from exporter.errors import ArchitectureError
+
+    monkeypatch.setattr(sentence_pipeline.Pooling, "forward", lambda self, tokens, mask: tokens.mean(1))
+    with pytest.raises(ArchitectureError, match="differs from sentence-transformers' own modules") as caught:
+        exporter.convert(minilm_path, "cpu-fp32", tmp_path / "out", targets=("exported_program",))
+    assert caught.value.exit_code == 2 and "model.pipeline = false" in str(caught.value.hint)
+    assert not (tmp_path / "out").exists()

@@ -191,9 +191,12 @@ class CheckRun:
         from ..report.assemble import assemble_check  # noqa: PLC0415
 
         progress, t_start = self.progress, time.perf_counter()
+        named = {port.name for a in self.artifacts for port in a.outputs}
+        # an export of the bare transformer of a sentence-transformers folder is judged against the bare transformer
+        bare = "last_hidden_state" in named and "sentence_embedding" not in named
         with progress.stage("load", str(self.checkpoint)):
             loaded = load_model(self.checkpoint, self.recipe.model.factory, self.allow_pickle,
-                                    self.recipe.model.pipeline)
+                                self.recipe.model.pipeline and not bare)
         past = next((a for a in self.artifacts if a.past is not None), None)
         if past is not None and len(self.artifacts) > 1:
             raise UsageError(f"{self.source} holds a decoder with past and other models "
@@ -206,6 +209,11 @@ class CheckRun:
             recipe = self.recipe
             plan = plan_inputs(loaded.model, recipe.inputs)
             plan.notes += notes
+            if bare and loaded.pipeline is None and self.recipe.model.pipeline and \
+                    (Path(loaded.checkpoint.root) / "modules.json").is_file():
+                plan.notes.append("the artifact outputs last_hidden_state, not sentence_embedding: it is judged "
+                                  "against the transformer alone, without the folder's sentence-transformers "
+                                  "pipeline")
             if past is not None and past.past is not None:
                 signature = Signature(INPUTS, output_names(past.past.layers))
             else:

@@ -50,10 +50,15 @@ class PipelineInfo:
     modules: list[str] = field(default_factory=list)  # "1 Pooling (mean)", in order
     included: bool = False
     reason: str = ""  # why the pipeline was left out, when it was
+    checked: str = ""  # what the run's cross-check against sentence-transformers' own modules found
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": "sentence-transformers", "included": self.included, "modules": list(self.modules),
-                "reason": self.reason or None}
+                "reason": self.reason or None, "checked": self.checked or None}
+
+
+class PipelineMismatch(Exception):
+    """sentence-transformers' own modules compute another sentence embedding than the rebuilt pipeline."""
 
 
 class Pooling(nn.Module):
@@ -218,6 +223,8 @@ def wrap(model: nn.Module, root: Path) -> tuple[nn.Module, PipelineInfo | None]:
             raise NotRebuilt(f"{MODULES_FILE} is not a list of modules")
         steps: list[tuple[str, nn.Module]] = []
         for entry in sorted(listed, key=lambda e: e.get("idx", 0)):
+            if not str(entry.get("type", "")).startswith("sentence_transformers."):
+                raise NotRebuilt(f"module {entry.get('idx')} is a custom module ({entry.get('type')})")
             kind = str(entry.get("type", "")).rsplit(".", 1)[-1]
             folder = root / str(entry.get("path", ""))
             label = f"{entry.get('idx', len(info.modules))} {kind}"
@@ -255,3 +262,37 @@ def wrap(model: nn.Module, root: Path) -> tuple[nn.Module, PipelineInfo | None]:
         return model, info
     info.included = True
     return SentencePipeline(model, steps), info
+
+
+def cross_check(root: Path, tokens: torch.Tensor, mask: torch.Tensor, expected: torch.Tensor) -> str:
+    """Run sentence-transformers' own modules (every one after the Transformer, loaded from ``root``) on the
+    float64 reference's ``tokens`` and compare their sentence embedding with the rebuilt pipeline's
+    ``expected``: what was rebuilt is then proven on this run's own inputs, not only in the tests. Raises
+    :class:`PipelineMismatch` when they differ beyond float64 rounding; says why when it cannot run."""
+    try:
+        import sentence_transformers  # noqa: PLC0415 - optional: the check runs where it is installed
+        from sentence_transformers.util import import_from_string  # noqa: PLC0415
+    except ImportError:
+        return "not run: sentence-transformers is not installed here (the rebuild is pinned against it by the tests)"
+    listed = sorted(json.loads((root / MODULES_FILE).read_text(encoding="utf-8")), key=lambda e: e.get("idx", 0))
+    features: dict[str, Any] = {"token_embeddings": tokens.to("cpu", torch.float64),
+                                "attention_mask": mask.to("cpu")}
+    try:
+        with torch.inference_mode():
+            for entry in listed[1:]:
+                kind: Any = import_from_string(entry["type"])  # a sentence-transformers module class
+                module = kind.load(str(root), subfolder=entry.get("path", ""), local_files_only=True)
+                features = module.to(torch.float64).eval()(features)
+    except Exception as exc:  # a module sentence-transformers itself cannot load or run here: said, not fatal
+        return f"not run: sentence-transformers {sentence_transformers.__version__} could not run the folder's " \
+               f"modules ({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''})"
+    theirs = features["sentence_embedding"]
+    ours = expected.to("cpu", torch.float64)
+    if theirs.shape != ours.shape:
+        raise PipelineMismatch(f"shape {list(theirs.shape)} against the rebuilt {list(ours.shape)}")
+    difference = float((theirs - ours).abs().max())
+    scale = max(1.0, float(ours.abs().max()))
+    if not difference <= 1e-9 * scale:
+        raise PipelineMismatch(f"max |difference| {difference:.3g} on sample 0")
+    return (f"sentence-transformers {sentence_transformers.__version__}'s own modules on the float64 reference's "
+            f"token embeddings of sample 0: max |difference| {difference:.2g}")

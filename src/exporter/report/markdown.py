@@ -145,7 +145,8 @@ def _folder_lines(r: dict[str, Any]) -> list[str]:
     if pipeline:
         modules = ", ".join(pipeline["modules"])
         lines.append(f"- Pipeline: sentence-transformers {modules} — in the artifacts (outputs "
-                     f"{', '.join(f'`{o}`' for o in r['outputs'])})" if pipeline["included"] else
+                     f"{', '.join(f'`{o}`' for o in r['outputs'])}); checked: {pipeline.get('checked') or 'no'}"
+                     if pipeline["included"] else
                      f"- Pipeline: sentence-transformers {modules} — left out: {pipeline['reason']}")
     files = r["model"].get("folder_files")
     if files:
