@@ -9,7 +9,8 @@ random weights, eager attention, saved as safetensors + config.json):
 
 1. ``exporter convert MODEL --recipe cpu-fp32 -t exported_program -t onnx`` with no inputs declared: the exit
    code, each target's verdict, the attention sites found and rewritten (and the reason of each one left alone);
-2. for decoders, ``exporter convert MODEL --recipe cpu-fp32 --task text-generation -t exported_program``
+2. for decoders, ``exporter convert MODEL --recipe cpu-fp32 --task text-generation -t exported_program``, for
+   encoder-decoders the same with ``--task text2text-generation`` (Whisper: ``automatic-speech-recognition``)
    (prefill and decode programs, judged step by step);
 3. ``optimum-cli export onnx --model MODEL --task TASK`` in Optimum's own environment
    (:mod:`exporter.testing.optimum_peer`): whether it exports, and whether its own validation (run by the command
@@ -158,26 +159,27 @@ def render(rows: list[dict], seconds: float, versions: str, generation: bool, op
              "`config.json`. Both tools get the same folder and no inputs declared by hand:", "",
              "* **exporter**: `exporter convert MODEL --recipe cpu-fp32 -t exported_program -t onnx` (the inputs "
              "come from the config, the shape grid included); for decoders also `--task text-generation -t "
-             "exported_program` (prefill and decode programs judged step by step against a float64 greedy "
-             "generation)" + (";" if generation else "; that column was not run for this table "
+             "exported_program`, for encoder-decoders `--task text2text-generation` (Whisper: "
+             "`automatic-speech-recognition`) (prefill and decode programs judged step by step against a float64 "
+             "greedy generation)" + (";" if generation else "; that column was not run for this table "
                                                       "(`--no-generation`);"),
              "* **Optimum**: `optimum-cli export onnx --model MODEL --task TASK` (optimum-onnx in an environment of "
              "its own: it pins transformers < 4.58); ✅ when it exported and its own validation passed.", "",
              "Attention: sites found / rewritten to `scaled_dot_product_attention`; each reason a site was left "
              "as written is listed under the table.", "",
              f"**Passed: exporter {count('forward')} of {len(rows)} (forward)"
-             + (f", {count('generation')} of {sum(1 for r in rows if 'generation' in r)} (text-generation)"
+             + (f", {count('generation')} of {sum(1 for r in rows if 'generation' in r)} (generation)"
                 if generation else "")
              + (f"; Optimum {count('optimum')} of {len(rows)}." if optimum else ".") + "**", "",
              "| architecture | kind | model class | attention found / rewritten | exporter forward | "
-             "exporter text-generation | Optimum task | Optimum |",
+             "exporter generation | Optimum task | Optimum |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     reasons: list[str] = []
     for r in rows:
         forward, gen, opt = r["forward"], r.get("generation"), r.get("optimum")
         lines.append(f"| {r['name']} | {r['kind']} | {r['model']} | {forward.attention or '—'} | "
                      f"{verdict_cell(forward)} | {verdict_cell(gen)} | `{r['optimum_task']}` | {verdict_cell(opt)} |")
-        for label, outcome in (("exporter forward", forward), ("exporter text-generation", gen), ("Optimum", opt)):
+        for label, outcome in (("exporter forward", forward), ("exporter generation", gen), ("Optimum", opt)):
             if outcome is not None and outcome.verdict != "passed":
                 reasons.append(f"* **{r['name']}**, {label}: {one_line(outcome.detail, 400)}")
         if forward.verdict != "passed" and r["name"] in FINDINGS:

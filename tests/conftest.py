@@ -23,6 +23,7 @@ def every_report_validates(tmp_path_factory):
     yield
     jsonschema = pytest.importorskip("jsonschema")
     from exporter.report import report_schema
+    from exporter.report.generation import TASKS as GENERATION_TASKS
     from exporter.report.generation import report_schema as generation_schema
 
     validator = jsonschema.Draft202012Validator(report_schema(), format_checker=jsonschema.FormatChecker())
@@ -35,7 +36,7 @@ def every_report_validates(tmp_path_factory):
             continue  # a test that writes a broken report on purpose
         if report.get("schema_version") != 1 or "artifacts" not in report:
             continue  # not a convert report (or one a test damaged on purpose)
-        for error in (generation if report.get("task") == "text-generation" else validator).iter_errors(report):
+        for error in (generation if report.get("task") in GENERATION_TASKS else validator).iter_errors(report):
             problems.append(f"{path}: {'/'.join(map(str, error.absolute_path))}: {error.message[:200]}")
     assert not problems, "reports that do not match src/exporter/report.schema.json:\n" + "\n".join(problems[:20])
 

@@ -24,7 +24,7 @@ from .pipeline import ConvertRun
 from .prepare import original_module
 from .progress import Progress
 from .quiet import quiet_libraries
-from .recipe import Recipe, resolve_recipe
+from .recipe import GENERATION_TASKS, Recipe, resolve_recipe
 from .report.assemble import checkpoint_dtypes
 from .results import RunResult
 from .rewrite import rewrite_attention
@@ -48,7 +48,7 @@ def memory_section(recipe: Recipe, checkpoint_bytes: int, tree: TreeMemory) -> d
 
 def default_out(checkpoint: str | Path, recipe: Recipe) -> Path:
     suffix = ("" if recipe.runtime.rewrite_attention else "-no-rewrite") + \
-        ("-generation" if recipe.model.task == "text-generation" else "")
+        ("-generation" if recipe.model.task in GENERATION_TASKS else "")
     return Path("artifacts") / model_name(Path(checkpoint)) / f"{recipe.name}{suffix}"
 
 
@@ -82,11 +82,14 @@ def convert(checkpoint: str | Path, recipe: str | Path | Recipe = "cpu-fp32", ou
         try:
             with TreeMemory(stage=lambda: progress.current) as tree:
                 opened: Checkpoint | None
-                if recipe_obj.model.task == "text-generation":
+                if recipe_obj.model.task in GENERATION_TASKS:
                     from .generation.run import convert_generation  # noqa: PLC0415
+                    from .generation.seq2seq_run import convert_seq2seq  # noqa: PLC0415
 
-                    data, opened = convert_generation(checkpoint, recipe_obj, folder.staged, allow_drift,
-                                                      allow_pickle, progress)
+                    convert_task = convert_generation if recipe_obj.model.task == "text-generation" else \
+                        convert_seq2seq
+                    data, opened = convert_task(checkpoint, recipe_obj, folder.staged, allow_drift, allow_pickle,
+                                                progress)
                     manifest_inputs = {"checkpoint_files": list(opened.files),
                                        "recipe": run.manifest_inputs()["recipe"]}
                 else:

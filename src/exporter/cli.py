@@ -15,7 +15,7 @@ import click
 
 from .errors import EXIT_INTERNAL, EXIT_USAGE, ExporterError, exit_codes_help
 from .progress import Progress
-from .recipe import builtin_names, builtin_path, load_recipe
+from .recipe import TASKS, builtin_names, builtin_path, load_recipe
 from .supervisor import ENV as SUPERVISOR_ENV
 from .supervisor import SUPERVISED, supervise
 from .targets import NAMES as TARGET_NAMES
@@ -108,9 +108,10 @@ def cli() -> None:
               help="Build only this target of the recipe's; repeatable.")
 @click.option("--no-rewrite", is_flag=True,
               help="Leave attention as written (sites still audited): the baseline for what the rewrite buys.")
-@click.option("--task", type=click.Choice(["forward", "text-generation"]), default=None,
+@click.option("--task", type=click.Choice(TASKS), default=None,
               help="What to convert for (default: the recipe's model.task, else forward): text-generation builds a "
-                   "decoder's prefill and decode programs over a static KV cache (docs/generation.md).")
+                   "decoder's prefill and decode programs over a static KV cache; text2text-generation (T5, BART, "
+                   "Marian) and automatic-speech-recognition (Whisper) an encoder-decoder's (docs/generation.md).")
 @click.option("--set", "settings", multiple=True, metavar="SECTION.KEY=VALUE",
               help="Override one recipe key, checked like the recipe file (repeatable), e.g. numerics.atol=1e-6, "
                    "runtime.dtype=bfloat16, targets.build=onnx,aoti, inputs.dims.batch=4:1:32.")
@@ -303,6 +304,9 @@ Examples:
   exporter convert CKPT --recipe h100-bf16 --task text-generation --out build/llm
   exporter generate build/llm --target aoti --input-ids 128000,791,6864 --max-new-tokens 32
   exporter generate build/llm -t exported_program --input-ids 1,2,3 --input-ids 4,5 --json
+  exporter convert t5-small --recipe cpu-fp32 --task text2text-generation --out build/t5
+  exporter generate build/t5 -t exported_program --input-ids 37,423,19,1 --max-new-tokens 16
+  exporter generate build/whisper -t aoti --input-features mel.safetensors
 
 \b
 """ + exit_codes_help("convert")
@@ -312,12 +316,17 @@ Examples:
 @click.argument("out_dir", type=click.Path(path_type=str))
 @click.option("--target", "-t", "target", required=True, type=TargetName(),
               help="The built target to generate with (exported_program, aoti, onnx).")
-@click.option("--input-ids", "input_ids", multiple=True, required=True, metavar="1,2,3",
-              help="A prompt's token ids; repeat for more rows (shorter rows are left-padded).")
+@click.option("--input-ids", "input_ids", multiple=True, metavar="1,2,3",
+              help="A prompt's token ids (an encoder-decoder's source); repeat for more rows (shorter rows are "
+                   "padded).")
+@click.option("--input-features", "features", type=click.Path(path_type=str), default=None,
+              metavar="FILE.safetensors",
+              help="A speech model's source: one tensor [batch, mel, frames] (or [mel, frames]) in a safetensors file.")
 @click.option("--max-new-tokens", type=int, default=None, help="Tokens to generate [default: the recipe's new_tokens].")
 @click.option("--json", "as_json", is_flag=True, help='Print {"generated": [[new token ids], ...]}.')
-def generate(out_dir, target, input_ids, max_new_tokens, as_json):
-    """Greedy generation from a target of a --task text-generation output folder."""
+def generate(out_dir, target, input_ids, features, max_new_tokens, as_json):
+    """Greedy generation from a target of a generation output folder (--task text-generation,
+    text2text-generation or automatic-speech-recognition)."""
     import os
     import subprocess
 
@@ -331,11 +340,12 @@ def generate(out_dir, target, input_ids, max_new_tokens, as_json):
 
         argv = ["generate", out_dir, "--target", target, *[f"--input-ids={t}" for t in input_ids]]
         argv += [f"--max-new-tokens={max_new_tokens}"] if max_new_tokens is not None else []
+        argv += [f"--input-features={features}"] if features is not None else []
         argv += ["--json"] if as_json else []
         with scratch_env(child_env(preload)) as env:
             done = subprocess.run([sys.executable, "-m", "exporter", *argv], env=env, check=False)
         sys.exit(done.returncode)
-    generated = generate_tokens(out_dir, target, _token_rows(input_ids), max_new_tokens)
+    generated = generate_tokens(out_dir, target, _token_rows(input_ids), max_new_tokens, features)
     if as_json:
         click.echo(json.dumps({"generated": generated}))
     else:

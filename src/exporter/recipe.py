@@ -64,7 +64,8 @@ class TensorSpec:
 NONFINITE_POLICIES = ("warn", "error")
 
 
-TASKS = ("forward", "text-generation")
+TASKS = ("forward", "text-generation", "text2text-generation", "automatic-speech-recognition")
+GENERATION_TASKS = TASKS[1:]  # a prefill and decode programs over a static cache, judged step by step
 
 
 @dataclass(frozen=True)

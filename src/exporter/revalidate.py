@@ -28,7 +28,7 @@ from .outdir import sha256_file
 from .prepare import original_module
 from .progress import Progress
 from .quiet import quiet_libraries
-from .recipe import recipe_from_dict
+from .recipe import GENERATION_TASKS, recipe_from_dict
 from .results import FAILED, NUMERICS_FAILED, VariantResult, exit_code, problem_lines, ratio
 from .rewrite import rewrite_attention
 from .targets.spec import RunnerFailed
@@ -63,7 +63,7 @@ def validate_folder(out_dir: str | Path, *, locate: bool = False, targets: tuple
     if not (out / "manifest.json").is_file():
         raise UsageError(f"{out} has no manifest.json: the convert run never finished", "run exporter convert again")
     manifest, report = read_json(out / "manifest.json"), read_json(out / "report.json")
-    if report.get("task") == "text-generation":
+    if report.get("task") in GENERATION_TASKS:
         raise UsageError(f"{out} holds generation programs; exporter validate re-checks forward artifacts only",
                          f"run exporter verify {out} (it re-runs a short generation against the stored reference), "
                          "or convert again with --task text-generation")

@@ -36,6 +36,7 @@ from .errors import EXIT_ENVIRONMENT, EXIT_INTEGRITY, EXIT_NUMERICS, EXIT_OK, EX
 from .junit import Case
 from .numerics.compare import InFile, Source, read_stream, safetensors_index
 from .outdir import sha256_file
+from .recipe import GENERATION_TASKS
 from .report import REPORT_SCHEMA_VERSION
 from .results import OutputCheck
 from .runners import RemoteRunner, RunnerFailed, run_session
@@ -315,7 +316,7 @@ def _verify(out: Path, result: VerifyResult, timeout_s: float) -> None:
         pass
     artifacts = [a for a in (report or {}).get("artifacts", []) if isinstance(a, dict)]
     bad = _check_files(out, manifest, result, artifacts)
-    generation = (report or {}).get("task") == "text-generation"
+    generation = (report or {}).get("task") in GENERATION_TASKS
     trusted = {"report.json", "generation.json", "reference/generation.safetensors"} if generation else \
         {"report.json", "reference/inputs.safetensors", "reference/outputs.safetensors"}
     if report is None or trusted & bad or any(p not in {f.get("path") for f in manifest["files"]} for p in trusted):

@@ -35,7 +35,7 @@ from ..outdir import OutputFolder, disk_full, model_name, os_problem, path_from,
 from ..prepare import original_module
 from ..progress import Progress
 from ..quiet import quiet_libraries
-from ..recipe import Recipe, public_source, resolve_recipe
+from ..recipe import GENERATION_TASKS, Recipe, public_source, resolve_recipe
 from ..results import NUMERICS_FAILED, RunResult, VariantResult, ratio
 from ..targets.spec import RunnerSpec
 from .artifacts import Artifact, find_artifacts
@@ -126,7 +126,7 @@ def check(artifact: str | Path, against: str | Path, recipe: str | Path | Recipe
     is written; a numerics failure is the result's ``exit_code`` (3), not raised."""
     progress = progress or Progress(enabled=False)
     recipe_obj = resolve_recipe(recipe, model, dims, tensors, settings=settings)
-    if recipe_obj.model.task == "text-generation":
+    if recipe_obj.model.task in GENERATION_TASKS:
         raise UsageError("exporter check judges an artifact's forward; a decoder with past inputs is judged step "
                          "by step without --task", "leave out --task (and [model] task in the recipe)")
     check_machine(recipe_obj)

@@ -1,32 +1,46 @@
-"""``exporter generate OUT_DIR``: greedy generation from a built target of a ``--task text-generation`` folder."""
+"""``exporter generate OUT_DIR``: greedy generation from a built target of a generation folder: a decoder's
+prompts (``--task text-generation``), an encoder-decoder's source token ids (``text2text-generation``) or a
+speech model's features (``automatic-speech-recognition``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from .. import targets
 from ..dtypes import torch_dtype
-from ..errors import EnvironmentProblem, InputsError, UsageError
+from ..errors import EnvironmentProblem, InputsError, UsageError, describe
 from .cache import CacheLayout
 from .driver import Prompt, generate, load_steps
-from .session import read_setup
+from .seq2seq import TASKS as SEQ2SEQ_TASKS
+from .seq2seq import Seq2SeqLayout, Source
+from .seq2seq import check_fits as seq2seq_check_fits
+from .seq2seq import generate as seq2seq_generate
+from .session import read_setup, seq2seq_steps
 
 
 def generate_tokens(out_dir: str | Path, target: str, prompts: list[list[int]], max_new_tokens: int | None = None,
-                    ) -> list[list[int]]:
-    """Greedy generation from a built target of a ``--task text-generation`` folder: the new tokens of each
-    prompt (prompts of different lengths are left-padded into one batch)."""
+                    features: str | Path | None = None) -> list[list[int]]:
+    """Greedy generation from a built target of a generation folder: the new tokens of each prompt (prompts of
+    different lengths are left-padded into one batch; an encoder-decoder's sources right-padded), or of each row
+    of a speech model's ``features`` file."""
     folder = Path(out_dir)
     if not (folder / "generation.json").is_file():
         raise UsageError(f"{folder} holds no generation programs (no generation.json)",
-                         "convert with --task text-generation, and pass that output folder")
+                         "convert with --task text-generation (or text2text-generation, automatic-speech-recognition), "
+                         "and pass that output folder")
     setup, _ = read_setup(folder)
     if target not in targets.NAMES or not targets.get(target).decoder_built(folder):
         built = [t.name for t in targets.TARGETS if t.decoder_built(folder)]
         raise UsageError(f"target {target!r} has no decode program in {folder}",
                          f"choose one of the targets built there: {', '.join(built) or 'none'}")
+    if setup.get("task") in SEQ2SEQ_TASKS:
+        return _seq2seq_tokens(folder, target, setup, prompts, max_new_tokens, features)
+    if features is not None:
+        raise InputsError("--input-features given to a decoder's folder", "pass --input-ids; features are for a "
+                          "speech model converted with --task automatic-speech-recognition")
     if not prompts or any(not p for p in prompts):
         raise InputsError("no prompt tokens given", "pass --input-ids 1,2,3 (repeat it for more rows)")
     layout = CacheLayout.from_dict(setup["layout"])
@@ -53,6 +67,81 @@ def generate_tokens(out_dir: str | Path, target: str, prompts: list[list[int]], 
     steps = load_steps(target, folder, layout, setup["cache_length"], torch_dtype(setup["dtype"]), device)
     picked, _ = generate(steps, Prompt(ids, mask), new_tokens, keep_logits=False)
     return picked.tolist()
+
+
+def _new_tokens(setup: dict, max_new_tokens: int | None) -> int:
+    new_tokens = max_new_tokens if max_new_tokens is not None else setup["new_tokens"]
+    if new_tokens < 1:
+        raise InputsError(f"--max-new-tokens {new_tokens} must be at least 1", "pass a positive count")
+    return new_tokens
+
+
+def _seq2seq_tokens(folder: Path, target: str, setup: dict, prompts: list[list[int]], max_new_tokens: int | None,
+                    features: str | Path | None) -> list[list[int]]:
+    layout = Seq2SeqLayout.from_dict(setup["layout"])
+    if layout.speech:
+        source = _features_source(features, layout, prompts)
+    else:
+        if features is not None:
+            raise InputsError("--input-features given to a text encoder-decoder", "pass the source as --input-ids")
+        source = _ids_source(prompts, layout, setup)
+    if source.batch > setup["batch"]:
+        raise InputsError(f"{source.batch} sources; the programs take at most {setup['batch']} rows",
+                          "pass fewer rows, or convert with a larger generation.batch")
+    _device_here(folder, setup["device"])
+    new_tokens = _new_tokens(setup, max_new_tokens)
+    seq2seq_check_fits(new_tokens, setup["cache_length"])
+    picked, _ = seq2seq_generate(seq2seq_steps(target, folder, setup), source, new_tokens, keep_logits=False)
+    return picked.tolist()
+
+
+def _ids_source(prompts: list[list[int]], layout: Seq2SeqLayout, setup: dict) -> Source:
+    if not prompts or any(not p for p in prompts):
+        raise InputsError("no source tokens given", "pass --input-ids 1,2,3 (repeat it for more rows)")
+    bad = sorted({t for p in prompts for t in p if not 0 <= t < layout.vocab})
+    if bad:
+        raise InputsError(f"token id(s) {bad[:5]} outside the vocabulary (0..{layout.vocab - 1})",
+                          "pass token ids of this model's tokenizer")
+    length = max(len(p) for p in prompts)
+    if length < 2 or length > setup["max_source"]:
+        raise InputsError(f"a {length}-token source; the programs take 2 to {setup['max_source']} tokens",
+                          "pass a source of that length")
+    ids = torch.zeros(len(prompts), length, dtype=torch.long)
+    mask = torch.zeros(len(prompts), length, dtype=torch.long)
+    for row, tokens in enumerate(prompts):
+        ids[row, :len(tokens)] = torch.tensor(tokens)
+        mask[row, :len(tokens)] = 1
+    return Source(ids, mask)
+
+
+def _features_source(features: str | Path | None, layout: Seq2SeqLayout, prompts: list[list[int]]) -> Source:
+    want = "x".join(map(str, layout.source_shape))
+    if prompts:
+        raise InputsError("--input-ids given to a speech model", f"pass --input-features FILE.safetensors with one "
+                          f"tensor [batch, {want}]")
+    if features is None:
+        raise InputsError("no source features given", f"pass --input-features FILE.safetensors with one tensor "
+                          f"[batch, {want}]")
+    try:
+        tensors = load_file(str(features))
+    except Exception as exc:
+        raise InputsError(f"--input-features {features} is not a readable safetensors file ({describe(exc, 120)})",
+                          "pass a file written by safetensors.torch.save_file") from None
+    if len(tensors) != 1:
+        raise InputsError(f"--input-features {features} holds {len(tensors)} tensors", "save exactly one tensor")
+    (values,) = tensors.values()
+    if values.dim() == 2:
+        values = values[None]
+    if tuple(values.shape[1:]) != tuple(layout.source_shape) or not values.is_floating_point():
+        raise InputsError(f"--input-features holds {values.dtype} {list(values.shape)}; the programs take float "
+                          f"[batch, {want}]", f"pass log-mel features of shape [batch, {want}]")
+    return Source(values.float(), torch.ones(values.shape[0], layout.source_shape[1], dtype=torch.long))
+
+
+def _device_here(folder: Path, device: str) -> None:
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise EnvironmentProblem(f"{folder} was built for {device}; this machine has no usable GPU",
+                                 "run exporter generate on a machine like the one that built it")
 
 
 __all__ = ["generate_tokens"]

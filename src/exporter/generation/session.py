@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from .. import targets
 from ..attention_backend import backend_context
 from ..dtypes import torch_dtype
 from ..errors import describe
@@ -29,6 +30,10 @@ from . import bench
 from .cache import CacheLayout
 from .driver import Prompt, generate, load_steps
 from .judge import judge_steps
+from .seq2seq import TASKS as SEQ2SEQ_TASKS
+from .seq2seq import Seq2SeqLayout, Seq2SeqSteps, Source
+from .seq2seq import generate as seq2seq_generate
+from .seq2seq_programs import time_seq2seq
 
 MANIFEST = "generation.json"
 REFERENCE = "reference/generation.safetensors"
@@ -53,6 +58,8 @@ def read_setup(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
 def run(request: dict[str, Any]) -> dict[str, Any]:
     folder = Path(request["folder"])
     setup, stored = read_setup(folder)
+    if setup.get("task") in SEQ2SEQ_TASKS:
+        return run_seq2seq(request, folder, setup, stored)
     device, dtype = setup["device"], torch_dtype(setup["dtype"])
     layout = CacheLayout.from_dict(setup["layout"])
     result: dict[str, Any] = {"target": request["target"]}
@@ -73,6 +80,49 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
             timing = setup["timing"]
             result["bench"] = time_target(steps, prompt, timing)
     return finite(result)
+
+
+def seq2seq_steps(target: str, folder: Path, setup: dict[str, Any]) -> Seq2SeqSteps:
+    """A built target's encoder-decoder programs in ``folder``, callable as ``Seq2SeqSteps``."""
+    loaded = targets.get(target).load_decoder(folder)
+    return Seq2SeqSteps(loaded.prefill, loaded.decode, Seq2SeqLayout.from_dict(setup["layout"]), setup["cache_length"],
+                        torch_dtype(setup["dtype"]), setup["device"], loaded.fresh_decode)
+
+
+def run_seq2seq(request: dict[str, Any], folder: Path, setup: dict[str, Any],
+                stored: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """``run`` for an encoder-decoder: the prefill reads the stored source, each decode step the reference's token
+    (teacher-forced), then a free-running greedy generation, then the timings."""
+    result: dict[str, Any] = {"target": request["target"]}
+    with backend_context(setup["attention_backend"], setup["device"]):
+        t0 = time.perf_counter()
+        steps = seq2seq_steps(request["target"], folder, setup)
+        synchronize(setup["device"])
+        result["load_s"] = time.perf_counter() - t0
+        source = Source(stored["source_values"], stored["source_mask"])
+        ref_tokens, ref_logits = stored["tokens"], stored["logits"]
+        count = int(request.get("steps") or ref_tokens.shape[1])
+        _, logits = seq2seq_generate(steps, source, count, forced=ref_tokens[:, :count])
+        free, _ = seq2seq_generate(steps, source, count, keep_logits=False)
+        numerics = setup["numerics"]
+        result["numerics"] = judge_steps(request["target"], ref_logits[:count], ref_tokens[:, :count], logits, free,
+                                         numerics["bars"], numerics["k"], numerics["atol"])
+        if request.get("time"):
+            result["bench"] = time_seq2seq_target(steps, source, setup["timing"])
+    return finite(result)
+
+
+def time_seq2seq_target(steps: Seq2SeqSteps, source: Source, timing: dict[str, Any]) -> dict[str, Any]:
+    """At batch 1 (the first source row, unpadded) and at the recipe's batch."""
+    out: dict[str, Any] = {}
+    for label, which in (("batch_1", source.row(0)), ("batch", source)):
+        timed = time_seq2seq(steps, which, timing["tokens"], timing["warmup"], timing["rounds"],
+                             graph=timing["cuda_graph"])
+        encoder = int(which.encoder_mask(steps.layout).shape[1])
+        per_token = timing["weight_bytes"] + steps.layout.bytes(which.batch, steps.cache_length, encoder, steps.dtype)
+        timed["bandwidth"] = bench.bandwidth(timed, per_token, timing.get("copy_bytes_per_s"))
+        out[label] = timed
+    return out
 
 
 def time_target(steps, prompt: Prompt, timing: dict[str, Any]) -> dict[str, Any]:

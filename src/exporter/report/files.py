@@ -11,7 +11,7 @@ from typing import Any
 from ..outdir import sha256_file, write_atomic, write_json
 from .assemble import MANIFEST_SCHEMA_VERSION
 from .chart import write_chart, write_generation_chart
-from .generation import TASK, render_generation
+from .generation import TASKS, render_generation
 from .markdown import render_markdown
 
 
@@ -61,7 +61,7 @@ def write_all(staging: Path, report: dict[str, Any], extra: dict[str, Any]) -> N
     _drop_empty_logs(staging)
     recipe_dict = extra.get("recipe")
     write_json(staging / "recipe.json", recipe_dict)
-    if report.get("task") == TASK:
+    if report.get("task") in TASKS:
         report["chart"] = write_generation_chart(report, staging)
         write_json(staging / "report.json", report)
         write_atomic(staging / "report.md", render_generation(report))

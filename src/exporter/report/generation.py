@@ -14,9 +14,11 @@ from typing import Any
 
 from ..measure.bench import NOISY  # the forward report's mark: a spread above a tenth of the median
 from ..numerics.tolerance import RULE
+from ..recipe import GENERATION_TASKS
 from .assemble import model_section, recipe_section, run_section, verdict_section
 
 TASK = "text-generation"
+TASKS = GENERATION_TASKS  # each writes this report
 SCHEMA_FILE = Path(__file__).with_name("generation.schema.json")  # shipped in the wheel beside this module
 
 
@@ -28,12 +30,12 @@ def report_schema() -> dict[str, Any]:
 def assemble_generation(*, recipe, checkpoint, loaded, audit, rewritten: dict[str, Any],
                         artifacts: list[dict[str, Any]], generation: dict[str, Any], eager_bench: dict[str, Any],
                         k: float, allow_drift: bool, warnings: list[str], timings: dict[str, float], total_s: float,
-                        transformers: bool) -> dict[str, Any]:
+                        transformers: bool, task: str = TASK) -> dict[str, Any]:
     """The generation report's dict, from the rewritten model's and each target's entries and the task's
     ``generation`` section."""
     rows = [(row["name"], row["status"], row["error"]) for row in [rewritten, *artifacts]]
     return {
-        **verdict_section(rows, allow_drift, warnings, task=TASK),
+        **verdict_section(rows, allow_drift, warnings, task=task),
         "model": model_section(checkpoint, loaded),
         "recipe": recipe_section(recipe),
         "generation": generation,
@@ -125,17 +127,31 @@ def render_generation(report: dict[str, Any]) -> str:
     gen = report["generation"]
     model = report["model"]
     numerics = "passed" if report["passed"] else f"FAILED (exit {report['exit_code']})"
-    lines = [f"# {model['name']}: text generation ({report['recipe']['name']}) — numerics: {numerics} · speed: "
+    seq2seq = gen.get("encoder_decoder")
+    titles = {"text2text-generation": "text-to-text generation",
+              "automatic-speech-recognition": "speech-to-text generation"}
+    title = titles.get(str(report.get("task")), "text generation")
+    lines = [f"# {model['name']}: {title} ({report['recipe']['name']}) — numerics: {numerics} · speed: "
              f"{speed_verdict(report)}", ""]
     lines += [f"{model['architecture']}, {model['parameters']:,} parameters, "
               f"{report['recipe']['dtype']} on {report['recipe']['device']}; static KV cache of "
-              f"{gen['cache_length']} slots, batch 1 to {gen['batch']}.", ""]
+              f"{gen['cache_length']} slots, batch 1 to {gen['batch']}"
+              + (f"; an encoder-decoder: the prefill runs the encoder over the source ({seq2seq['source']}) and "
+                 f"writes each decoder layer's cross-attention keys and values ({seq2seq['encoder_length']} "
+                 "positions) once, every decode step reads them." if seq2seq else "."), ""]
     for problem in report.get("problems") or []:
         lines.append(f"- ❌ {problem}")
+    if seq2seq and not gen["padded_rows"]:
+        prompts = f"{gen['batch']} sources of {gen['prompt_length']} frames, from decoder_start_token_id"
+    elif seq2seq:
+        prompts = (f"{gen['batch']} sources of {gen['prompt_length']} tokens (rows {gen['padded_rows']} right-padded "
+                   f"by {gen['pad_tokens']}), from decoder_start_token_id")
+    else:
+        prompts = (f"{gen['batch']} prompts of {gen['prompt_length']} tokens (rows {gen['padded_rows']} left-padded "
+                   f"by {gen['pad_tokens']})")
     lines += ["## Numerics", "",
               f"Reference: {report['reference']['model']}, float64, greedy {gen['new_tokens']} tokens from "
-              f"{gen['batch']} prompts of {gen['prompt_length']} tokens (rows {gen['padded_rows']} left-padded by "
-              f"{gen['pad_tokens']}). Each step's logits are judged teacher-forced by the rule "
+              f"{prompts}. Each step's logits are judged teacher-forced by the rule "
               f"`{report['tolerance']['rule']}` (k = {report['tolerance']['k']:g}).", "",
               "| variant | status | free-running tokens |", "| --- | --- | --- |"]
     eager = gen["eager"]

@@ -73,6 +73,9 @@ class DecoderPrograms:
     layers: int = 0
     past: tuple[Any, Any] | None = None  # the same two programs with the cache in and out (for ONNX)
     past_error: str | None = None  # why those could not be exported
+    # the ONNX programs' input and output names (prefill in, out, decode in, out); None: a decoder's
+    # (``targets.onnx.input_names``/``output_names``)
+    past_names: tuple[list[str], list[str], list[str], list[str]] | None = None
 
 
 def build(target: Target, ctx: BuildContext) -> list[Built]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
 import os
 import re
 import time
@@ -289,9 +290,11 @@ def build_decoder(programs: DecoderPrograms, recipe: Recipe, files: tuple[Path, 
         raise RuntimeError(f"the programs with the cache in and out could not be exported: {programs.past_error}")
     layers, opset = programs.layers, recipe.targets.onnx_opset
     paths = list(files)
-    for program, path in zip(programs.past, paths):
+    names = programs.past_names or (input_names(layers), output_names(layers), input_names(layers),
+                                    output_names(layers))
+    for index, (program, path) in enumerate(zip(programs.past, paths)):
         onnx_program = torch.onnx.export(program, (), dynamo=True, opset_version=opset,
-                                         input_names=input_names(layers), output_names=output_names(layers),
+                                         input_names=names[2 * index], output_names=names[2 * index + 1],
                                          verbose=False, optimize=False)
         if onnx_program is None:  # only the legacy exporter returns nothing
             raise RuntimeError("torch.onnx.export returned no ONNX program")
@@ -317,18 +320,22 @@ def _attention_ops(path: Path) -> dict[str, int]:
 
 def share_weights(prefill: Path, decode: Path, data: Path) -> None:
     """Make ``data`` the one weights file of both models: the prefill's own external data becomes ``data``,
-    and each decode initializer that holds the same bytes under the same name points at the prefill's copy.
-    One that differs (a constant traced differently) is kept inside ``decode`` itself."""
+    and each decode initializer that holds the same bytes as one of the prefill's (under the same name, or under
+    another: constant folding names a transposed weight by the node that made it, ``permute_8``, differently in
+    each program) points at the prefill's copy. One that matches none is kept inside ``decode`` itself."""
     folder = prefill.parent
     first = onnx.load(str(prefill), load_external_data=False)
     os.replace(prefill.with_name(prefill.name + ".data"), data)
     where: dict[str, tuple[Any, dict[str, str]]] = {}
+    by_content: dict[tuple[tuple[int, ...], int, str], dict[str, str]] = {}
     for tensor in first.graph.initializer:
         if uses_external_data(tensor):
             entries = {e.key: e.value for e in tensor.external_data}
             entries["location"] = data.name
             _set_external(tensor, entries)
             where[tensor.name] = (tensor, entries)
+            digest = hashlib.sha256(_read(data, entries)).hexdigest()
+            by_content.setdefault((tuple(tensor.dims), tensor.data_type, digest), entries)
     onnx.save(first, str(prefill))
     second = onnx.load(str(decode), load_external_data=False)
     own = decode.with_name(decode.name + ".data")
@@ -338,9 +345,12 @@ def share_weights(prefill: Path, decode: Path, data: Path) -> None:
         entries = {e.key: e.value for e in tensor.external_data}
         mine = _read(folder / entries["location"], entries)
         known = where.get(tensor.name)
+        same = by_content.get((tuple(tensor.dims), tensor.data_type, hashlib.sha256(mine).hexdigest()))
         if known is not None and list(known[0].dims) == list(tensor.dims) \
                 and known[0].data_type == tensor.data_type and _read(data, known[1]) == mine:
             _set_external(tensor, known[1])
+        elif same is not None:
+            _set_external(tensor, same)
         else:
             del tensor.external_data[:]
             tensor.data_location = onnx.TensorProto.DEFAULT
@@ -364,8 +374,9 @@ def _read(path: Path, entries: dict[str, str]) -> bytes:
 
 
 class OnnxStep:
-    """One ONNX program run by onnxruntime (CPU provider) with ``DecoderStep``'s signature: the updated cache it
-    returns is copied into the caller's tensors."""
+    """One ONNX program run by onnxruntime (CPU provider) with ``DecoderStep``'s signature (or an encoder-decoder
+    step's: its inputs in order, the cache last): the inputs the program declares are fed in order, and each
+    cache tensor it returns (after the logits) is copied into the caller's tensor at the same place."""
 
     def __init__(self, path: Path):
         options = ort.SessionOptions()
@@ -373,9 +384,9 @@ class OnnxStep:
         self.session = ort.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
         self.names = [i.name for i in self.session.get_inputs()]
 
-    def __call__(self, input_ids: torch.Tensor, padding_mask: torch.Tensor, cache_position: torch.Tensor,
-                 kv: list[torch.Tensor]) -> torch.Tensor:
-        values = (input_ids, padding_mask, cache_position, *kv)
+    def __call__(self, *args: Any) -> torch.Tensor:
+        *inputs, kv = args
+        values = (*inputs, *kv)
         feed = {name: t.detach().cpu().contiguous().numpy() for name, t in zip(self.names, values)}
         logits, *present = self.session.run(None, feed)
         for tensor, updated in zip(kv, present):

@@ -135,8 +135,8 @@ def _seq2seq() -> list[Arch]:
               max_source_positions=64, max_target_positions=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
               decoder_start_token_id=1, suppress_tokens=None, begin_suppress_tokens=None)),
     ]
-    return [Arch(name, "encoder-decoder", _text(config, model, **kwargs),
-                 "automatic-speech-recognition" if name == "whisper" else "text2text-generation")
+    tasks = {name: "automatic-speech-recognition" if name == "whisper" else "text2text-generation" for name, *_ in rows}
+    return [Arch(name, "encoder-decoder", _text(config, model, **kwargs), tasks[name], tasks[name])
             for name, config, model, kwargs in rows]
 
 

@@ -1,0 +1,234 @@
+"""An encoder-decoder's two programs (``seq2seq``: the prefill with the encoder, one decode step), exported and
+timed.
+
+``export_seq2seq`` exports ``Seq2SeqPrefill`` and ``Seq2SeqDecode`` with the batch dynamic (1 to the recipe's
+batch) and, for text, the source length dynamic (2 to what the model's positions allow); the self-attention
+cache length is fixed and a speech model's features keep their one shape. Both programs are decomposed to core
+ATen with SDPA kept, as the decoder-only programs are, so every target that writes ``DecoderPrograms``
+(``exported_program``, ``aoti``) builds them unchanged. ``time_seq2seq`` times the prefill and the decode per
+token (on CUDA also the decode replayed from a CUDA graph).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+
+from ..errors import describe
+from ..measure.bench import Timing, repeat
+from ..targets.aoti_loader import capture
+from ..targets.context import DecoderPrograms
+from ..targets.exported_program import decomposition_table
+from .seq2seq import Seq2SeqDecode, Seq2SeqLayout, Seq2SeqPrefill, Seq2SeqSteps, Source
+
+DEFAULT_MAX_SOURCE = 1024  # the longest text source the programs take where the model sets no limit
+
+
+def max_source(model: torch.nn.Module, layout: Seq2SeqLayout, length: int) -> int:
+    """The longest source the exported programs take: the model's learned positions where it has them (BART,
+    Marian), else ``DEFAULT_MAX_SOURCE``; at least ``length``. A speech model's source is fixed."""
+    if layout.speech:
+        return layout.source_shape[-1]
+    limit = getattr(model.config, "max_position_embeddings", None) or DEFAULT_MAX_SOURCE
+    return max(int(length), int(limit))
+
+
+def _examples(layout: Seq2SeqLayout, batch: int, source_length: int, cache_length: int, dtype, device):
+    if layout.speech:
+        source = torch.zeros(batch, *layout.source_shape, dtype=dtype, device=device)
+    else:
+        source = torch.ones(batch, source_length, dtype=torch.long, device=device)
+    encoder = layout.encoder_length(source.shape[-1])
+    mask = torch.ones(batch, encoder, dtype=torch.long, device=device)
+    ids = torch.full((batch, 1), layout.start_token, dtype=torch.long, device=device)
+    prefill = (source, mask, ids, torch.zeros(1, dtype=torch.long, device=device),
+               layout.allocate(batch, cache_length, encoder, dtype, device))
+    decode = (mask, ids, torch.ones(1, dtype=torch.long, device=device),
+              layout.allocate(batch, cache_length, encoder, dtype, device))
+    return prefill, decode
+
+
+class PrefillPast(torch.nn.Module):
+    """``Seq2SeqPrefill`` without in-place inputs (the form ONNX can express): the self-attention cache in, and
+    out updated (``present.{layer}.decoder.*``) with the cross-attention keys and values the encoder's output
+    gave (``present.{layer}.encoder.*``), after the logits."""
+
+    def __init__(self, model: torch.nn.Module, layout: Seq2SeqLayout):
+        super().__init__()
+        self.step, self.layout = Seq2SeqPrefill(model), layout
+
+    def forward(self, source: torch.Tensor, source_mask: torch.Tensor, decoder_ids: torch.Tensor,
+                cache_position: torch.Tensor, kv: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        own = [t.clone() for t in kv]
+        batch, encoder = source_mask.shape
+        cross = [own[0].new_zeros(batch, heads, encoder, dim) for heads, kd, vd in
+                 zip(self.layout.cross.heads, self.layout.cross.key_dims, self.layout.cross.value_dims)
+                 for dim in (kd, vd)]
+        logits = self.step(source, source_mask, decoder_ids, cache_position, own + cross)
+        return (logits, *own, *cross)
+
+
+class DecodePast(torch.nn.Module):
+    """``Seq2SeqDecode`` without in-place inputs: both caches in, the self-attention cache out updated."""
+
+    def __init__(self, model: torch.nn.Module, layers: int):
+        super().__init__()
+        self.step, self.layers = Seq2SeqDecode(model), layers
+
+    def forward(self, source_mask: torch.Tensor, decoder_ids: torch.Tensor, cache_position: torch.Tensor,
+                kv: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        own = [t.clone() for t in kv[:2 * self.layers]]
+        logits = self.step(source_mask, decoder_ids, cache_position, own + list(kv[2 * self.layers:]))
+        return (logits, *own)
+
+
+def past_names(layout: Seq2SeqLayout) -> tuple[list[str], list[str], list[str], list[str]]:
+    """The ONNX programs' input and output names (prefill, then decode), as Optimum names an encoder-decoder's
+    caches: ``past_key_values.{layer}.decoder.key`` in, ``present.{layer}.encoder.value`` out."""
+    def cache(prefix: str, part: str) -> list[str]:
+        return [f"{prefix}.{layer}.{part}.{kind}" for layer in range(layout.layers) for kind in ("key", "value")]
+
+    source = "input_features" if layout.speech else "input_ids"
+    steps = ["encoder_attention_mask", "decoder_input_ids", "cache_position"]
+    return ([source, *steps, *cache("past_key_values", "decoder")],
+            ["logits", *cache("present", "decoder"), *cache("present", "encoder")],
+            [*steps, *cache("past_key_values", "decoder"), *cache("past_key_values", "encoder")],
+            ["logits", *cache("present", "decoder")])
+
+
+def export_seq2seq(model: torch.nn.Module, layout: Seq2SeqLayout, batch: int, source_length: int,
+                   cache_length: int, dtype: torch.dtype, device: str, past: bool = False) -> DecoderPrograms:
+    """Both programs (see the module's docstring); with ``past`` also both in the form ONNX can express
+    (``PrefillPast``, ``DecodePast``), a failure there recorded (``past_error``) for the ONNX target alone."""
+    t0 = time.perf_counter()
+    prefill_args, decode_args = _examples(layout, batch, source_length, cache_length, dtype, device)
+    longest = max_source(model, layout, source_length)
+    notes: list[str] = []
+
+    def shapes(named: bool):
+        make = (lambda name, lo, hi: torch.export.Dim(name, min=lo, max=hi)) if named else \
+            (lambda name, lo, hi: torch.export.Dim.DYNAMIC(min=lo, max=hi))
+        b = make("batch", 1, batch) if batch > 1 else None
+        s = None if layout.speech else make("source", 2, longest)
+        row = {0: b} if b is not None else None
+        mask = {k: v for k, v in ((0, b), (1, s)) if v is not None} or None
+        own = [row for _ in range(2 * layout.layers)]
+        cross = [{k: v for k, v in ((0, b), (2, s)) if v is not None} or None for _ in range(2 * layout.layers)]
+        source = mask if not layout.speech else row
+        return (source, mask, row, None, own + cross), (mask, row, None, own + cross)
+
+    def export(step, args, dynamic):
+        program = torch.export.export(step, args, dynamic_shapes=dynamic, strict=False)
+        return program.run_decompositions(decomposition_table())
+
+    def export_pair(first, second, drop_cross: bool = False):
+        try:
+            named = shapes(True)
+            one = (*prefill_args[:4], prefill_args[4][:2 * layout.layers]) if drop_cross else prefill_args
+            dyn = (*named[0][:4], named[0][4][:2 * layout.layers]) if drop_cross else named[0]
+            return export(first, one, dyn), export(second, decode_args, named[1])
+        except Exception as exc:
+            if "Constraints violated" not in str(exc):
+                raise
+            hinted = shapes(False)
+            one = (*prefill_args[:4], prefill_args[4][:2 * layout.layers]) if drop_cross else prefill_args
+            dyn = (*hinted[0][:4], hinted[0][4][:2 * layout.layers]) if drop_cross else hinted[0]
+            notes.append("exported with Dim.DYNAMIC hints of the batch and source ranges (a guard torch could not "
+                         "prove over the named dims' ranges)")
+            return export(first, one, dyn), export(second, decode_args, hinted[1])
+
+    prefill, decode = export_pair(Seq2SeqPrefill(model), Seq2SeqDecode(model))
+    pair = None
+    past_error = None
+    if past:
+        try:
+            pair = export_pair(PrefillPast(model, layout), DecodePast(model, layout.layers), drop_cross=True)
+        except Exception as exc:  # the ONNX target fails with it; the others are built
+            past_error = describe(exc)
+    source = f"fixed {'x'.join(map(str, layout.source_shape))} features" if layout.speech else f"2 to {longest} tokens"
+    notes.append(f"source: {source}; "
+                 f"batch 1 to {batch}; self-attention cache {cache_length} slots, cross-attention keys and values "
+                 "written once by the prefill")
+    programs = DecoderPrograms(prefill, decode, time.perf_counter() - t0, notes, past=pair, past_error=past_error)
+    programs.layers = layout.layers
+    programs.past_names = past_names(layout)
+    return programs
+
+
+def _timed(fn: Callable[[], Any], device: str, warmup: int, rounds: int, per: int = 1) -> dict[str, Any]:
+    return Timing.of([t / per for t in repeat(fn, rounds, device, warmup)]).brief()
+
+
+def time_seq2seq(steps: Seq2SeqSteps, source: Source, tokens: int, warmup: int, rounds: int,
+                 graph: bool) -> dict[str, Any]:
+    """The prefill (encoder and first step) over ``source`` and ``tokens`` decode steps after it."""
+    device, layout, batch = steps.device, steps.layout, source.batch
+    values = source.values.to(device)
+    values = values.to(steps.dtype) if values.is_floating_point() else values
+    mask = source.encoder_mask(layout).to(device)
+    kv = layout.allocate(batch, steps.cache_length, int(mask.shape[1]), steps.dtype, device)
+    token = torch.full((batch, 1), layout.start_token, dtype=torch.long, device=device)
+    tokens = max(1, min(tokens, steps.cache_length - 1))
+    out: dict[str, Any] = {"batch": batch, "prompt": source.length, "tokens": tokens}
+    with torch.inference_mode():
+        out["prefill"] = _timed(lambda: steps.prefill(values, mask, token, torch.zeros(1, dtype=torch.long,
+                                                                                       device=device), kv),
+                                device, warmup, rounds)
+        where = torch.ones(1, dtype=torch.long, device=device)
+
+        def decode_all(step: Callable[[], Any]) -> None:
+            for t in range(tokens):
+                where.fill_(1 + t)
+                step()
+
+        out["decode"] = _timed(lambda: decode_all(lambda: steps.decode(mask, token, where, kv)), device, 1, rounds,
+                               per=tokens)
+        out["decode"]["cuda_graph"] = False
+        if graph and device.startswith("cuda"):
+            try:
+                graphed = steps.fresh_decode() if steps.fresh_decode is not None else steps.decode
+                cuda_graph = capture(lambda: graphed(mask, token, where, kv))
+                out["decode_graph"] = {**_timed(lambda: decode_all(cuda_graph.replay), device, 1, rounds,
+                                                per=tokens), "cuda_graph": True}
+            except Exception as exc:  # timed without the graph; the reason is reported
+                out["decode_graph"] = {"cuda_graph": False, "error": describe(exc)}
+                torch.cuda.synchronize()
+    best = out["decode"]["median_ms"]
+    if out.get("decode_graph", {}).get("cuda_graph"):
+        best = min(best, out["decode_graph"]["median_ms"])
+    out["decode_best_ms"] = best
+    out["tokens_per_s"] = batch * 1e3 / best
+    return out
+
+
+def time_eager_generate(model: torch.nn.Module, source: Source, layout: Seq2SeqLayout, tokens: int, device: str,
+                        rounds: int, max_seconds: float) -> dict[str, Any]:
+    """transformers' ``generate()`` (greedy, its default cache) from the same source: prefill = one new token,
+    per token = the rest."""
+    from .seq2seq import source_name  # noqa: PLC0415
+
+    name = source_name(model)
+    values = source.values.to(device)
+    values = values.to(next(model.parameters()).dtype) if values.is_floating_point() else values
+    kwargs: dict[str, Any] = {name: values}
+    if name == "input_ids":
+        kwargs["attention_mask"] = source.mask.to(device)
+    hf: Any = model
+
+    def run(n: int) -> None:
+        hf.generate(**kwargs, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                    decoder_start_token_id=layout.start_token)
+
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        run(tokens)
+        once = time.perf_counter() - t0
+        rounds = max(1, min(rounds, int(max_seconds / max(2 * once, 1e-9)))) if max_seconds > 0 else rounds
+        prefill = Timing.of(repeat(lambda: run(1), rounds, device, 1)).median_ms
+        many = Timing.of(repeat(lambda: run(tokens), rounds, device, 0)).median_ms
+    per_token = max(many - prefill, 0.0) / max(tokens - 1, 1)
+    return {"batch": source.batch, "prompt": source.length, "tokens": tokens, "rounds": rounds,
+            "prefill": {"median_ms": prefill}, "decode": {"median_ms": per_token}, "decode_best_ms": per_token,
+            "tokens_per_s": source.batch * 1e3 / per_token if per_token > 0 else None}
