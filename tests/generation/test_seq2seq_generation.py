@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 import exporter
 from exporter.errors import ArchitectureError
+from exporter.verify import verify
 
 transformers = pytest.importorskip("transformers")
 
@@ -107,7 +108,7 @@ def test_t5_generates_from_exported_programs_as_float32_eager(tmp_path, generate
         done = generate_cli(str(result.out), "-t", target, "--input-ids", ",".join(map(str, source)), "--json")
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout)["generated"] == [eager[1]]
-    assert exporter.verify(result.out).exit_code == 0
+    assert verify(result.out).exit_code == 0
     assert "text-to-text generation" in (result.out / "report.md").read_text()
 
 
@@ -127,7 +128,7 @@ def test_whisper_generates_from_exported_programs_as_float32_eager(tmp_path, gen
     assert done.returncode == 0 and json.loads(done.stdout)["generated"] == [eager[0]], done.stderr
     wrong = generate_cli(str(result.out), "-t", "exported_program", "--input-ids", "1,2,3")
     assert wrong.returncode == 2 and "--input-features" in wrong.stderr
-    assert exporter.verify(result.out).exit_code == 0
+    assert verify(result.out).exit_code == 0
 
 
 def test_a_task_that_does_not_fit_the_model_is_refused_before_writing(tmp_path, tiny_models):
