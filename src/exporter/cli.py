@@ -71,13 +71,14 @@ class TargetName(click.ParamType):
         return "[" + "|".join(TARGET_NAMES) + "]"
 
 
-def checked(checkpoint, recipe, factory, dims, tensors, rewrite, targets, settings, task, inputs_file=None):
+def checked(checkpoint, recipe, factory, dims, tensors, rewrite, targets, settings, task, inputs_file=None,
+            combination=True):
     """Everything the command line can check without torch: the recipe with every option applied, the
     checkpoint's and the inputs file's existence (a typo costs a moment, not torch's import)."""
     from .errors import CheckpointError, InputsError
     from .recipe import resolve_recipe
 
-    resolved = resolve_recipe(recipe, factory, dims, tensors, rewrite, targets, settings, task)
+    resolved = resolve_recipe(recipe, factory, dims, tensors, rewrite, targets, settings, task, combination)
     if not Path(checkpoint).exists():
         raise CheckpointError(f"checkpoint {checkpoint} does not exist", "check the path")
     if inputs_file is not None and not Path(inputs_file).is_file():
@@ -389,7 +390,7 @@ def check(artifact, checkpoint, recipe, out, factory, dims, settings, junit, all
     """Judge ARTIFACT (an ONNX file or Optimum export folder, a torch.export .pt2, an AOTInductor package, a
     transformers exporters folder, an exporter output folder) against the checkpoint it came from, with
     convert's gate: float64 reference, tolerance rule, shape grid, first divergent module, timing."""
-    checked(checkpoint, recipe, factory, dims, (), True, (), settings, None)
+    checked(checkpoint, recipe, factory, dims, (), True, (), settings, None, combination=False)
     if not Path(artifact).exists():
         from .errors import UsageError
 

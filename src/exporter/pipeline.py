@@ -33,6 +33,7 @@ from .numerics.validation import Validation, inherit_verdicts, not_on_grid
 from .outdir import save_tensors
 from .prepare import original_module
 from .progress import Progress
+from .quantize.stage import Quantization, quantize_stage
 from .recipe import Recipe, public_source
 from .results import OK, VariantResult
 from .rewrite import rewrite_attention
@@ -64,6 +65,7 @@ class ConvertRun:
         self.loaded: LoadedModel | None = None
         self.validation: Validation | None = None
         self.spares: Spares | None = None
+        self.quantization: Quantization | None = None
 
     def close(self) -> None:
         if self.validation is not None:
@@ -156,8 +158,26 @@ class ConvertRun:
         original = original_module(loaded, signature)
         with progress.stage("reference", f"original model, float64, {device}"):
             reference = run_reference(original, plan.samples, device=device)
-            save_tensors(self.staging / "reference" / "outputs.safetensors", reference.outputs, signature.outputs)
             self.check_pipeline(plan.samples[0], reference.outputs[0], signature.outputs)
+        if recipe.quantize.enabled:
+            # the second question (what fp8 cost) against the original's reference; the first (is each artifact
+            # faithful to the quantized model) against the quantized model's float64 arithmetic, computed next
+            save_tensors(self.staging / "reference" / "original_outputs.safetensors", reference.outputs,
+                         signature.outputs)
+            with progress.stage("quantize", recipe.quantize.scheme):
+                self.quantization = quantize_stage(original, loaded.model, recipe, plan.samples, signature.outputs,
+                                                   reference.outputs)
+                counts = self.quantization.to_dict()["counts"]
+                progress.info(f"linears: {counts['fp8']} fp8, {counts['excluded']} excluded, "
+                              f"{counts['fallback']} kept (fp8 cannot take them)")
+                if not self.quantization.cost.passed:
+                    progress.warn(f"quantization budget: {self.quantization.cost.error()}")
+            with progress.stage("reference (quantized)", f"quantized model, float64, {device}"):
+                reference = run_reference(original, plan.samples, device=device)
+            gc.collect()
+            if device.startswith("cuda"):  # the stage's float64 outputs stay cached otherwise, and the artifacts'
+                torch.cuda.empty_cache()  # processes (a CUDA-graph capture first) find the GPU full
+        save_tensors(self.staging / "reference" / "outputs.safetensors", reference.outputs, signature.outputs)
 
         with progress.stage("rewrite attention"):
             on_device = [t.to(device) for t in samples[0]]
@@ -231,4 +251,4 @@ class ConvertRun:
             reference=reference, audit=audit, results=results, eager_bench=eager_bench,
             allow_drift=self.allow_drift, warnings=self.warnings, timings=progress.timings,
             staging=self.staging, total_s=time.perf_counter() - t_start, grid=grid, eager_kernels=eager_kernels,
-            backend_choice=choice)
+            backend_choice=choice, quantization=self.quantization)

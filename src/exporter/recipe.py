@@ -91,6 +91,29 @@ class GenerationSection:
     fuse_projections: bool = True  # export the linears that read one input (q, k, v; gate, up) as one product
 
 
+QUANTIZE_SCHEMES = ("none", "fp8-rowwise", "fp8-weight-only")
+QUANTIZE_TARGETS = ("exported_program", "aoti")  # the targets an fp8 model is built for (docs/quantization.md)
+
+
+@dataclass(frozen=True)
+class QuantizeSection:
+    """``[quantize]``: the weight transform applied before the attention rewrite and export, and the budget of
+    the gate's second question, what the quantization cost (docs/quantization.md)."""
+
+    scheme: str = "none"  # "fp8-rowwise" (dynamic activation + weight, per row) or "fp8-weight-only"
+    exclude: tuple[str, ...] = ()  # fnmatch patterns of linears' qualified names kept in the model's dtype
+    include_head: bool = False  # also quantize the output head (kept by default, as the embeddings are)
+    min_sqnr_db: float = 20.0  # every output against the original float64 reference ...
+    max_error_ratio: float = 16.0  # ... or its error within this many times the unquantized model's own
+    layer_min_sqnr_db: float = 20.0  # every fp8 linear against its float64 product
+    min_top1: float = 0.5  # logits: top-1 agreement with the unquantized model
+    max_kl: float = 0.01  # logits: mean KL(unquantized || quantized) of the next-token distribution, nats
+
+    @property
+    def enabled(self) -> bool:
+        return self.scheme != "none"
+
+
 @dataclass(frozen=True)
 class RuntimeSection:
     device: str = "cpu"
@@ -163,6 +186,7 @@ class Recipe:
     bench: BenchSection = field(default_factory=BenchSection)
     report: ReportSection = field(default_factory=ReportSection)
     generation: GenerationSection = field(default_factory=GenerationSection)
+    quantize: QuantizeSection = field(default_factory=QuantizeSection)
     source: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -391,7 +415,7 @@ def _parse_tensors(items: Any, dims: tuple[Dim, ...], problems: _Problems) -> tu
 def parse_recipe(data: dict, name: str, source: str, problems: _Problems | None = None) -> Recipe:
     """Build a Recipe from parsed TOML, listing every problem at once."""
     p = problems or _Problems(source)
-    sections = {"model", "runtime", "targets", "inputs", "numerics", "bench", "report", "generation"}
+    sections = {"model", "runtime", "targets", "inputs", "numerics", "bench", "report", "generation", "quantize"}
     _unknown(data, {"schema_version", "description"} | sections, "", p)
     version = _get(data, "schema_version", int, None, "recipe", p)
     if version is None and "schema_version" not in data:
@@ -536,10 +560,54 @@ def parse_recipe(data: dict, name: str, source: str, problems: _Problems | None 
         p.add("generation.max_cache_len", f"{generation.max_cache_len} slots cannot hold a "
               f"{generation.prompt_length}-token prompt and {generation.new_tokens} new tokens")
 
+    t = table("quantize")
+    dq = QuantizeSection()
+    _unknown(t, {f.name for f in dataclasses.fields(QuantizeSection)}, "quantize", p)
+    quantize = QuantizeSection(
+        scheme=_get(t, "scheme", str, dq.scheme, "quantize", p),
+        exclude=_str_list(t, "exclude", dq.exclude, "quantize", p),
+        include_head=_get(t, "include_head", bool, dq.include_head, "quantize", p),
+        **{key: _get(t, key, float, getattr(dq, key), "quantize", p)
+           for key in ("min_sqnr_db", "max_error_ratio", "layer_min_sqnr_db", "min_top1", "max_kl")})
+    _choice(quantize.scheme, QUANTIZE_SCHEMES, "quantize.scheme", p)
+    if quantize.max_error_ratio < 1.0:
+        p.add("quantize.max_error_ratio", f"must be at least 1, got {quantize.max_error_ratio}")
+    if not 0.0 <= quantize.min_top1 <= 1.0:
+        p.add("quantize.min_top1", f"must be between 0 and 1, got {quantize.min_top1}")
+    if quantize.max_kl < 0.0:
+        p.add("quantize.max_kl", f"must be non-negative, got {quantize.max_kl}")
+
     p.raise_if_any()
-    return Recipe(name=name, description=description, schema_version=SCHEMA_VERSION, model=model,
-                  runtime=runtime, targets=targets, inputs=inputs, numerics=numerics, bench=bench,
-                  report=report, generation=generation, source=source)
+    recipe = Recipe(name=name, description=description, schema_version=SCHEMA_VERSION, model=model,
+                    runtime=runtime, targets=targets, inputs=inputs, numerics=numerics, bench=bench,
+                    report=report, generation=generation, quantize=quantize, source=source)
+    return recipe
+
+
+def check_combination(recipe: Recipe, source: str = "") -> None:
+    """Settings of different sections that cannot hold together: refused, never one silently winning. Checked on
+    the recipe a run uses (:func:`resolve_recipe`: after ``--set``, ``--target`` and ``--task``), so a command line
+    can mend what the file alone would not allow."""
+    q = recipe.quantize
+    if not q.enabled:
+        return
+    p = _Problems(source or recipe.source or recipe.name,
+                  "change the settings named, in the recipe's [quantize] section or on the command line "
+                  "(docs/quantization.md)")
+    others = [t for t in recipe.targets.build if t not in QUANTIZE_TARGETS]
+    if others:
+        p.add("quantize.scheme", f"{q.scheme} builds {' and '.join(QUANTIZE_TARGETS)} only; the targets also name "
+              f"{', '.join(others)} (choose with --target exported_program --target aoti)")
+    if recipe.model.task not in ("forward", "text-generation"):
+        p.add("quantize.scheme", f"{q.scheme} is built for --task forward and text-generation; --task "
+              f"{recipe.model.task} with fp8 is not built yet (convert it without quantize.scheme)")
+    if recipe.runtime.dtype != "bfloat16":
+        # CUDA's rowwise-scaled fp8 product writes bfloat16 only; and in a float32 model the roundings of
+        # activations to fp8 flip so rarely that their count, which dominates the error, is too noisy to judge
+        # one compiled program against the eager model (docs/quantization.md)
+        p.add("quantize.scheme", f"fp8 runs in a bfloat16 model, not {recipe.runtime.dtype} "
+              "(set runtime.dtype = \"bfloat16\", e.g. --set runtime.dtype=bfloat16)")
+    p.raise_if_any()
 
 
 # --------------------------------------------------------------------------- lookup
@@ -620,7 +688,7 @@ def recipe_from_dict(data: dict[str, Any], source: str = "recipe.json") -> Recip
 def _as_table(data: dict[str, Any]) -> dict[str, Any]:
     """``Recipe.to_dict()``'s shape turned into the TOML file's (what :func:`parse_recipe` reads)."""
     table: dict[str, Any] = {k: v for k, v in data.items() if k not in ("name", "source", "inputs") and v is not None}
-    for section in ("model", "runtime", "targets", "numerics", "bench", "report", "generation"):
+    for section in ("model", "runtime", "targets", "numerics", "bench", "report", "generation", "quantize"):
         if isinstance(table.get(section), dict):
             table[section] = {k: v for k, v in table[section].items() if v is not None}
     inputs = data.get("inputs")
@@ -680,7 +748,7 @@ def apply_settings(recipe: Recipe, settings: tuple[str, ...]) -> Recipe:
 
 def resolve_recipe(recipe: str | Path | Recipe, factory: str | None = None, dims: tuple[str, ...] = (),
                    tensors: tuple[str, ...] = (), rewrite: bool = True, targets: tuple[str, ...] = (),
-                   settings: tuple[str, ...] = (), task: str | None = None) -> Recipe:
+                   settings: tuple[str, ...] = (), task: str | None = None, combination: bool = True) -> Recipe:
     """The recipe (a name, a path or a Recipe) with the command line's ``--set`` overrides, then its factory,
     input declarations, ``--target`` selection and ``--no-rewrite`` (``rewrite=False``; True keeps the
     recipe's own setting). Torch is not needed: the command line checks all of it before loading torch.
@@ -690,4 +758,6 @@ def resolve_recipe(recipe: str | Path | Recipe, factory: str | None = None, dims
                           "give one of them: --target NAME (repeatable) or --set targets.build=NAME,NAME")
     loaded = apply_settings(recipe if isinstance(recipe, Recipe) else load_recipe(recipe), settings)
     resolved = loaded.with_factory(factory).with_inputs(dims, tensors).with_targets(targets).with_task(task)
+    if combination:  # exporter check builds nothing: it refuses [quantize] itself, whatever the targets
+        check_combination(resolved, "given on the command line")
     return resolved if rewrite else resolved.with_rewrite(False)

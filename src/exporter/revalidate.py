@@ -27,6 +27,7 @@ from .numerics.validation import Validation
 from .outdir import sha256_file
 from .prepare import original_module
 from .progress import Progress
+from .quantize.transform import quantize_model
 from .quiet import quiet_libraries
 from .recipe import GENERATION_TASKS, recipe_from_dict
 from .results import FAILED, NUMERICS_FAILED, VariantResult, exit_code, problem_lines, ratio
@@ -79,6 +80,9 @@ def validate_folder(out_dir: str | Path, *, locate: bool = False, targets: tuple
     with quiet_libraries(), tempfile.TemporaryDirectory(prefix="exporter-validate-") as logs:
         with progress.stage("load", str(source)):
             loaded = load_model(source, recipe.model.factory, allow_pickle, recipe.model.pipeline)
+            if recipe.quantize.enabled:  # the artifacts were judged against the quantized model: rebuild it
+                q = recipe.quantize
+                quantize_model(loaded.model, q.scheme, q.exclude, q.include_head, keep_originals=False)
             samples, reference = load_reference(out, report)
             plan = plan_inputs(loaded.model, recipe.inputs)
             signature = Signature(tuple(report["inputs"]["names"]), tuple(report["outputs"]))

@@ -34,8 +34,9 @@ from safetensors.torch import load_file
 from . import junit as junit_mod
 from .errors import EXIT_ENVIRONMENT, EXIT_INTEGRITY, EXIT_NUMERICS, EXIT_OK, EXIT_TARGET, VERIFY_PRECEDENCE, UsageError
 from .junit import Case
-from .numerics.compare import InFile, Source, read_stream, safetensors_index
+from .numerics.compare import Accumulator, InFile, Source, read_stream, safetensors_index
 from .outdir import sha256_file
+from .quantize.cost import cost_problems
 from .recipe import GENERATION_TASKS
 from .report import REPORT_SCHEMA_VERSION
 from .results import OutputCheck
@@ -138,12 +139,14 @@ def load_reference(out: Path, report: dict[str, Any]):
     return samples, reference
 
 
-def reference_sources(out: Path, report: dict[str, Any]) -> tuple[list[list[torch.Tensor]], list[list[Source]]]:
-    """(samples, the stored float64 outputs as slices read on demand): verify never loads the outputs whole."""
+def reference_sources(out: Path, report: dict[str, Any], file: str = "outputs.safetensors"
+                      ) -> tuple[list[list[torch.Tensor]], list[list[Source]]]:
+    """(samples, the stored float64 outputs as slices read on demand): verify never loads the outputs whole.
+    ``file``: ``original_outputs.safetensors`` for a quantized run's original model."""
     names, outputs = report["inputs"]["names"], report["outputs"]
     count = report["inputs"]["samples"]
     stored_in = load_file(str(out / "reference" / "inputs.safetensors"))
-    path = out / "reference" / "outputs.safetensors"
+    path = out / "reference" / file
     index = safetensors_index(path)
     samples = [[stored_in[f"{i}.{n}"] for n in names] for i in range(count)]
     reference: list[list[Source]] = [[InFile(path, *index[f"{i}.{o}"]) for o in outputs] for i in range(count)]
@@ -211,14 +214,33 @@ def _recorded_verdict(report: dict[str, Any], result: VerifyResult) -> None:
                                code if code in VERIFY_PRECEDENCE else EXIT_NUMERICS))
 
 
+def _tee(stream, references: list[Source], into: list[Accumulator]):
+    """Pass a runner's output stream on unchanged, feeding each chunk also to an accumulator against
+    ``references`` (the original model's outputs of a quantized run)."""
+    for event in stream:
+        if event[0] == "outputs":
+            into[:] = [Accumulator(ref) for ref in references] if len(event[1]) == len(references) and all(
+                tuple(shape) == tuple(ref.shape) for (shape, _), ref in zip(event[1], references)) else []
+        elif into:
+            into[event[1]].add(event[2])
+        yield event
+
+
 def compare_rerun(entry: dict[str, Any], runner, samples, references: list[list[Source]],
-                  names: list[str]) -> tuple[list[str], int]:
+                  names: list[str], original: list[list[Source]] | None = None,
+                  quantization: dict[str, Any] | None = None) -> tuple[list[str], int]:
     """Run every sample through ``runner`` and compare each output, chunk by chunk as it arrives, with the
-    stored reference (read slice by slice) against the bar convert stored. Problems, and how many checks ran."""
+    stored reference (read slice by slice) against the bar convert stored. Problems, and how many checks ran.
+    A quantized run's artifact is also judged against the original model's reference (``original``) and the
+    stored quantization budget: the second question, asked of the artifact itself."""
     bars = {(c["sample"], c["output"]): c for c in (entry.get("numerics") or {}).get("checks") or []}
     problems, count = [], 0
     for index, (sample, refs) in enumerate(zip(samples, references)):
-        for name, ref, item in zip(names, refs, read_stream(runner.begin_stream(sample), names, refs, index)):
+        costs: list[Accumulator] = []
+        stream = runner.begin_stream(sample)
+        if original is not None:
+            stream = _tee(stream, original[index], costs)
+        for name, ref, item in zip(names, refs, read_stream(stream, names, refs, index)):
             if isinstance(item, OutputCheck):  # another number of outputs ("*"), or a shape that differs
                 where = f"sample {index}" if item.output == "*" else f"output {name} (sample {index})"
                 problems.append(f"{where}: {item.reason}")
@@ -232,6 +254,10 @@ def compare_rerun(entry: dict[str, Any], runner, samples, references: list[list[
                                explain=f"at convert: rmse {bar['rmse']:.3g}" if bar else "")
             if not check.passed:
                 problems.append(f"output {name} (sample {index}): {check.reason}")
+        if quantization is not None:
+            measured = {name: acc.metrics()["rel_l2"] for name, acc in zip(names, costs) if acc.floating}
+            problems += [f"{p} (this artifact)" for p in cost_problems(quantization, index, measured)]
+            count += len(measured)
     return problems, count
 
 
@@ -265,7 +291,9 @@ def _rerun(out: Path, report: dict[str, Any], entry: dict[str, Any], samples, re
                                seconds=time.perf_counter() - t0))
     t0 = time.perf_counter()
     try:
-        problems, count = compare_rerun(entry, runner, samples, reference, report["outputs"])
+        quantization = report.get("quantization")
+        original = reference_sources(out, report, "original_outputs.safetensors")[1] if quantization else None
+        problems, count = compare_rerun(entry, runner, samples, reference, report["outputs"], original, quantization)
     except RunnerFailed as exc:
         result.checks.append(Check(name, "numerics", False, f"no longer runs: {exc.reason}", EXIT_TARGET,
                                    time.perf_counter() - t0))
@@ -319,6 +347,8 @@ def _verify(out: Path, result: VerifyResult, timeout_s: float) -> None:
     generation = (report or {}).get("task") in GENERATION_TASKS
     trusted = {"report.json", "generation.json", "reference/generation.safetensors"} if generation else \
         {"report.json", "reference/inputs.safetensors", "reference/outputs.safetensors"}
+    if (report or {}).get("quantization") and not generation:  # the second question's reference
+        trusted = trusted | {"reference/original_outputs.safetensors"}
     if report is None or trusted & bad or any(p not in {f.get("path") for f in manifest["files"]} for p in trusted):
         result.checks.append(Check("folder", "reference", False, "report.json or the stored reference is missing or "
                                    "changed, so no artifact can be re-run against it", EXIT_INTEGRITY))

@@ -125,10 +125,16 @@ def check(artifact: str | Path, against: str | Path, recipe: str | Path | Recipe
     from) with convert's gate; the report lands in ``out``. User mistakes raise ExporterError before anything
     is written; a numerics failure is the result's ``exit_code`` (3), not raised."""
     progress = progress or Progress(enabled=False)
-    recipe_obj = resolve_recipe(recipe, model, dims, tensors, settings=settings)
+    recipe_obj = resolve_recipe(recipe, model, dims, tensors, settings=settings, combination=False)
     if recipe_obj.model.task in GENERATION_TASKS:
         raise UsageError("exporter check judges an artifact's forward; a decoder with past inputs is judged step "
                          "by step without --task", "leave out --task (and [model] task in the recipe)")
+    if recipe_obj.quantize.enabled:
+        raise UsageError(f"exporter check judges an artifact against the checkpoint's own model; the recipe's "
+                         f"[quantize] scheme {recipe_obj.quantize.scheme} would judge it against a model exporter "
+                         "quantized itself, which another tool's artifact was not built from",
+                         "check with a recipe without [quantize] (e.g. --recipe h100-bf16), or convert the checkpoint "
+                         "with --recipe h100-fp8")
     check_machine(recipe_obj)
     artifact_path, checkpoint = Path(artifact), Path(against)
     if not checkpoint.exists():

@@ -32,6 +32,7 @@ from ..modelio import attention_implementation
 from ..numerics.tolerance import relative_floor
 from ..outdir import file_entry, sha256_file, write_json
 from ..progress import Progress
+from ..quantize.stage import quantize_decoder
 from ..recipe import Recipe
 from ..report.generation import assemble_generation
 from ..results import FAILED, NUMERICS_FAILED, OK, SKIPPED
@@ -283,6 +284,19 @@ def convert_generation(checkpoint: Path, recipe: Recipe, staging: Path, allow_dr
 
     with progress.stage("reference", f"original model, float64, greedy {gen.new_tokens} tokens, no cache"):
         ref = reference(model, recipe, transformers)
+    quantization = None
+    if recipe.quantize.enabled:  # the second question against the original's steps; the first against the quantized
+        with progress.stage("quantize", recipe.quantize.scheme):
+            quantization = quantize_decoder(model, recipe, transformers, ref.prompt, ref.tokens, ref.logits,
+                                            ref.baseline)
+            if not quantization.cost.passed:
+                progress.warn(f"quantization budget: {quantization.cost.error()}")
+        with progress.stage("reference (quantized)",
+                            f"quantized model, float64, greedy {gen.new_tokens} tokens, no cache"):
+            ref = reference(model, recipe, transformers)
+        gc.collect()
+        if device.startswith("cuda"):  # cached float64 blocks would crowd the targets' own processes
+            torch.cuda.empty_cache()
     eager_verdict = judge_steps("eager", ref.logits, ref.tokens, list(ref.baseline.float()), None, ref.bars, ref.k,
                                 recipe.numerics.atol)
 
@@ -346,5 +360,5 @@ def convert_generation(checkpoint: Path, recipe: Recipe, staging: Path, allow_dr
         recipe=recipe, checkpoint=checkpoint, loaded=loaded, audit=audit, rewritten=rewritten, artifacts=artifacts,
         generation=generation_section(recipe, ref, layout, setup, eager_verdict), eager_bench=eager_bench, k=ref.k,
         allow_drift=allow_drift, warnings=warnings, timings=progress.timings,
-        total_s=time.perf_counter() - t_start, transformers=transformers)
+        total_s=time.perf_counter() - t_start, transformers=transformers, quantization=quantization)
     return finite(report), loaded.checkpoint

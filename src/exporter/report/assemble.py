@@ -16,8 +16,9 @@ from ..dtypes import K_DEFAULTS, name_of
 from ..environment import device_info, versions
 from ..numerics.tolerance import RULE
 from ..outdir import model_name, public_path
+from ..quantize.fp8 import fp8_weights
 from ..recipe import public_source
-from ..results import VariantResult, exit_code, passed, problem_lines
+from ..results import NUMERICS_FAILED, OK, VariantResult, exit_code, passed, problem_lines
 
 REPORT_SCHEMA_VERSION = 1
 MANIFEST_SCHEMA_VERSION = 1
@@ -58,7 +59,7 @@ def model_section(checkpoint: Path, loaded) -> dict[str, Any]:
         "format": loaded.checkpoint.format,
         "architecture": loaded.architecture.name,
         "architecture_source": loaded.architecture.source,
-        "parameters": sum(p.numel() for p in loaded.model.parameters()),
+        "parameters": sum(p.numel() for p in loaded.model.parameters()) + fp8_weights(loaded.model),
         "checkpoint_bytes": loaded.checkpoint.nbytes,
         "checkpoint_dtypes": checkpoint_dtypes(loaded.checkpoint),
         "pipeline": loaded.pipeline.to_dict() if loaded.pipeline is not None else None,
@@ -108,13 +109,18 @@ def _variant_dict(result: VariantResult) -> dict[str, Any]:
 
 
 def assemble(*, recipe, checkpoint, loaded, plan, signature, reference, audit, results, eager_bench, allow_drift,
-             warnings, timings, staging, total_s, grid=None, eager_kernels=None, backend_choice=None) -> dict[str, Any]:
+             warnings, timings, staging, total_s, grid=None, eager_kernels=None, backend_choice=None,
+             quantization=None) -> dict[str, Any]:
     dynamic = {name: {str(axis): {"dim": d.name, "min": d.min, "max": d.max} for axis, d in axes.items()}
                for name, axes in plan.dynamic_axes().items()}
+    rows = [(r.name, r.status, r.error) for r in results]
+    if quantization is not None:  # the second question: what the quantization cost (the first is each candidate's)
+        rows.append(("quantization", OK if quantization.cost.passed else NUMERICS_FAILED, quantization.cost.error()))
     return {
-        **verdict_section([(r.name, r.status, r.error) for r in results], allow_drift, warnings, task="forward"),
+        **verdict_section(rows, allow_drift, warnings, task="forward"),
         "model": model_section(checkpoint, loaded),
         "recipe": recipe_section(recipe),
+        "quantization": quantization.to_dict() if quantization is not None else None,
         "inputs": {
             "source": plan.source,
             "seed": plan.seed,
@@ -130,7 +136,9 @@ def assemble(*, recipe, checkpoint, loaded, plan, signature, reference, audit, r
         "outputs": list(signature.outputs),
         "reference": {"device": reference.device, "dtype": reference.dtype, "flops": reference.flops,
                       "note": reference.note,
-                      "model": "original (eager attention, not rewritten)"},
+                      "model": "original (eager attention, not rewritten)" if quantization is None else
+                      "quantized (its fp8 roundings, every product in float64; eager attention, not rewritten); "
+                      "the original model's float64 outputs are reference/original_outputs.safetensors"},
         "tolerance": {"rule": RULE, "k": recipe.numerics.k,
                       "k_default": ", ".join(f"{k:g} for {dtype}" for dtype, k in K_DEFAULTS.items()),
                       "atol": recipe.numerics.atol, "floor": recipe.numerics.floor, "grid": recipe.numerics.grid,

@@ -37,9 +37,20 @@ def build_manifest(staging: Path, report: dict[str, Any], checkpoint_files: list
         "artifacts": [{"target": a["name"], "path": a["path"], "sha256": a["sha256"]}
                       for a in report["artifacts"] if a["path"]],
         "recipe": recipe_dict,
+        "quantization": _quantization_record(report.get("quantization")),
         "versions": report["environment"]["versions"],
         "device": report["environment"]["device"],
     }
+
+
+def _quantization_record(q: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What a release records of the weight transform: the scheme, what stayed unquantized, the scales' dtype
+    and the budget the second question was judged against."""
+    if not q:
+        return None
+    return {"scheme": q["scheme"], "weight_dtype": q["weight_dtype"], "scales_dtype": q["scales"]["dtype"],
+            "excluded": q["excluded"], "fallback": [f["name"] for f in q["fallback"]], "budget": q["budget"],
+            "passed": q["passed"]}
 
 
 def _still(entry: dict[str, Any] | None, path: Path) -> bool:

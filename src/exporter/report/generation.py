@@ -15,7 +15,9 @@ from typing import Any
 from ..measure.bench import NOISY  # the forward report's mark: a spread above a tenth of the median
 from ..numerics.tolerance import RULE
 from ..recipe import GENERATION_TASKS
+from ..results import NUMERICS_FAILED, OK
 from .assemble import model_section, recipe_section, run_section, verdict_section
+from .markdown import quantization_lines
 
 TASK = "text-generation"
 TASKS = GENERATION_TASKS  # each writes this report
@@ -30,17 +32,22 @@ def report_schema() -> dict[str, Any]:
 def assemble_generation(*, recipe, checkpoint, loaded, audit, rewritten: dict[str, Any],
                         artifacts: list[dict[str, Any]], generation: dict[str, Any], eager_bench: dict[str, Any],
                         k: float, allow_drift: bool, warnings: list[str], timings: dict[str, float], total_s: float,
-                        transformers: bool, task: str = TASK) -> dict[str, Any]:
+                        transformers: bool, task: str = TASK, quantization=None) -> dict[str, Any]:
     """The generation report's dict, from the rewritten model's and each target's entries and the task's
     ``generation`` section."""
     rows = [(row["name"], row["status"], row["error"]) for row in [rewritten, *artifacts]]
+    if quantization is not None:  # the second question: what the quantization cost (the first is each row's)
+        rows.append(("quantization", OK if quantization.cost.passed else NUMERICS_FAILED, quantization.cost.error()))
     return {
         **verdict_section(rows, allow_drift, warnings, task=task),
         "model": model_section(checkpoint, loaded),
         "recipe": recipe_section(recipe),
+        "quantization": quantization.to_dict() if quantization is not None else None,
         "generation": generation,
-        "reference": {"device": recipe.runtime.device, "dtype": "float64", "model": "original (eager attention), "
-                      "no KV cache: the whole sequence re-read at every step"},
+        "reference": {"device": recipe.runtime.device, "dtype": "float64", "model": (
+                      "original (eager attention)" if quantization is None else
+                      "quantized (its fp8 roundings, every product in float64; eager attention)")
+                      + ", no KV cache: the whole sequence re-read at every step"},
         "tolerance": {"rule": RULE, "k": k, "atol": recipe.numerics.atol, "floor": recipe.numerics.floor,
                       "per_step": "each step's logits, teacher-forced on the reference's tokens"},
         "attention": audit.to_dict(),
@@ -212,6 +219,7 @@ def render_generation(report: dict[str, Any]) -> str:
     lines += [f"- {note}" for note in attention.get("notes") or []]
     for warning in report.get("warnings") or []:
         lines.append(f"- ⚠ {warning}")
+    lines += quantization_lines(report)
     timings = report.get("timings_s") or {}
     lines += ["", "Stages: " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()), ""]
     return "\n".join(lines)

@@ -98,7 +98,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         + (f" (seed {r['inputs']['seed']})" if r['inputs']['seed'] is not None else "")
         + ", shapes " + ", ".join(f"`{k}` {v}" for k, v in r["inputs"]["shapes"].items()),
         _attention_line(r),
-        f"- Reference: original model in {r['reference']['dtype']} on {r['reference']['device']}; tolerance "
+        f"- Reference: {'quantized' if r.get('quantization') else 'original'} model in {r['reference']['dtype']} on "
+        f"{r['reference']['device']}; tolerance "
         f"`{r['tolerance']['rule']}`",
     ] + _slower_lines(r) + _cost_lines(r) + [
         "",
@@ -125,7 +126,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += ["", "## Notes", ""]
         lines += [f"- **{name}**: {text}" for name, text in notes]
         lines += [f"- warning: {w}" for w in r["warnings"]]
-    lines += _grid_lines(r) + _locate_lines(r) + _choice_lines(r)
+    lines += quantization_lines(r) + _grid_lines(r) + _locate_lines(r) + _choice_lines(r)
     if (r.get("attention") or {}).get("sites"):
         lines += ["", "## Attention sites", "",
                   "| location | kind | status | causal | masked | GQA | head dim | reason |",
@@ -190,6 +191,42 @@ def _cost_lines(r: dict[str, Any]) -> list[str]:
                      f"process {top['root_peak_rss_bytes'] / 2**30:.1f} GiB; per stage: `report.json` → "
                      "`memory.tree.stages`)")
         lines.append(text)
+    return lines
+
+
+def quantization_lines(r: dict[str, Any]) -> list[str]:
+    """The second question of an fp8 run: what the quantization cost, beside the unquantized model's own error."""
+    q = r.get("quantization")
+    if not q:
+        return []
+    b, dtype = q["budget"], q["unquantized_dtype"]
+    verdict = "✅ within the budget" if q["passed"] else "❌ over the budget"
+    lines = ["", "## Quantization", "",
+             f"`{q['scheme']}`: {q['counts']['fp8']} linears in {q['weight_dtype']} (scales {q['scales']['dtype']}, "
+             f"{q['scales']['granularity']}), {q['counts']['excluded']} excluded"
+             + (f" ({', '.join(f'`{n}`' for n in q['excluded'][:6])})" if q["excluded"] else "")
+             + f", {q['counts']['fallback']} kept because fp8 cannot take them. What it cost, against the original "
+             f"model's float64 reference: {verdict} (every output SQNR ≥ {b['min_sqnr_db']:g} dB or its error ≤ "
+             f"{b['max_error_ratio']:g}× {dtype}'s own; every fp8 layer ≥ {b['layer_min_sqnr_db']:g} dB; logits "
+             f"top-1 ≥ {b['min_top1']:g}, KL ≤ {b['max_kl']:g}). The artifacts are judged against the quantized "
+             "model (the table above).", "",
+             f"| output | sample | fp8 SQNR dB | {dtype} SQNR dB | fp8 rel. L2 | {dtype} rel. L2 | fp8 error = N × "
+             f"{dtype} | within budget |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for o in q["outputs"]:
+        lines.append(f"| `{o['output']}` | {o['sample']} | {o['sqnr_db']:.1f} | {o['unquantized_sqnr_db']:.1f} | "
+                     f"{o['relative_l2']:.3g} | {o['unquantized_relative_l2']:.3g} | {o['error_ratio']:.1f} | "
+                     f"{'✅' if o['passed'] else '❌'} |")
+    if q["logits"]:
+        lines += ["", f"| logits, sample | top-1 agreement with {dtype} | KL({dtype} ‖ fp8) | {dtype} top-1 vs "
+                      f"float64 | KL(float64 ‖ {dtype}) |", "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {e['sample']} | {e['top1_agreement']:.3f} | {e['kl']:.2e} | "
+                  f"{e['unquantized_top1_vs_float64']:.3f} | {e['unquantized_kl_vs_float64']:.2e} |"
+                  for e in q["logits"]]
+    if q["worst_layers"]:
+        lines += ["", "Lowest per-layer SQNR: " + ", ".join(f"`{w['name']}` {w['sqnr_db']:.1f} dB"
+                                                           for w in q["worst_layers"])]
+    lines += [f"- fallback `{f['name']}`: {f['reason']}" for f in q["fallback"]]
+    lines += [f"- problem: {p}" for p in q["problems"]] + [f"- note: {n}" for n in q["notes"]]
     return lines
 
 

@@ -354,6 +354,20 @@ def _(tmp, a):
                 "did you mean h100-bf16")
 
 
+@case("recipe and inputs", "fp8 with a target it does not build")
+def _(tmp, a):
+    argv = convert(a.gpt2, tmp, "--set", "quantize.scheme=fp8-rowwise", "--set", "runtime.dtype=bfloat16",
+                   "--target", "exported_program", "--target", "onnx")
+    return Case("fp8 with a target it does not build", "recipe and inputs", argv, 2,
+                "fp8-rowwise builds exported_program and aoti only; the targets also name onnx")
+
+
+@case("recipe and inputs", "fp8 in a float32 model")
+def _(tmp, a):
+    argv = convert(a.gpt2, tmp, "--set", "quantize.scheme=fp8-rowwise", "--target", "exported_program")
+    return Case("fp8 in a float32 model", "recipe and inputs", argv, 2, "fp8 runs in a bfloat16 model, not float32")
+
+
 def _recipe_file(tmp: Path, text: str) -> Path:
     path = tmp / "bad.toml"
     path.write_text(text)
@@ -575,6 +589,15 @@ def _(tmp, a):
 def _(tmp, a):
     return Case("the artifact is neither ONNX nor .pt2", "exporter check", check_argv(a.gpt2 / "config.json", a, tmp),
                 2, "is neither an .onnx nor a .pt2 file", out=tmp / "out")
+
+
+@case("exporter check", "a quantize recipe")
+def _(tmp, a):
+    broken = tmp / "model.pt2"
+    broken.write_bytes(b"not a zip file")
+    argv = check_argv(broken, a, tmp) + ["--set", "quantize.scheme=fp8-rowwise", "--set", "runtime.dtype=bfloat16"]
+    return Case("a quantize recipe", "exporter check", argv, 2,
+                "would judge it against a model exporter quantized itself", out=tmp / "out")
 
 
 @case("exporter check", "a .pt2 that is not an archive")

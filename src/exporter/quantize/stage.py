@@ -1,0 +1,124 @@
+"""The quantize stage of a forward convert: transform, then the second question's figures.
+
+    reference (original, float64) -> quantize -> reference (quantized, float64) -> rewrite -> export -> validate
+
+It runs the unquantized model once in the recipe's dtype (its own error, shown beside the fp8 one), swaps the
+chosen linears for fp8 ones, runs the quantized model in the recipe's dtype with the per-layer check attached, and
+judges both against the original model's float64 reference (:mod:`.cost`). The original weights of the swapped
+linears are dropped before it returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..dtypes import torch_dtype
+from ..inputs import cast_sample
+from ..numerics.reference import cast_in_place, full_float32
+from ..recipe import QuantizeSection, Recipe
+from .cost import Budget, Cost, judge_layers, judge_outputs, layer_sqnr
+from .fp8 import FP8
+from .transform import Quantized, quantize_model
+
+WORST_LAYERS = 5
+
+
+def budget_of(section: QuantizeSection) -> Budget:
+    return Budget(min_sqnr_db=section.min_sqnr_db, max_error_ratio=section.max_error_ratio,
+                  layer_min_sqnr_db=section.layer_min_sqnr_db, min_top1=section.min_top1, max_kl=section.max_kl)
+
+
+@dataclass
+class Quantization:
+    quantized: Quantized
+    cost: Cost
+
+    def to_dict(self) -> dict[str, Any]:
+        layers = self.quantized.layers
+        judged = self.quantized.judged()
+        return {
+            "scheme": self.quantized.scheme,
+            "weight_dtype": str(FP8).replace("torch.", ""),
+            "scales": {"dtype": "float32", "granularity": "per output row (weights)" + (
+                ", per token (activations, at run time)" if self.quantized.scheme == "fp8-rowwise" else "")},
+            "counts": {s: self.quantized.count(s) for s in ("fp8", "excluded", "fallback")},
+            "excluded": [layer.name for layer in layers if layer.status == "excluded"],
+            "fallback": [{"name": layer.name, "reason": layer.reason} for layer in layers
+                         if layer.status == "fallback"],
+            "budget": self.cost.budget.to_dict(),
+            "unquantized_dtype": self.cost.dtype,
+            "passed": self.cost.passed,
+            "problems": list(self.cost.problems),
+            "notes": list(self.cost.notes),
+            "worst_layers": [{"name": name, "sqnr_db": round(value, 3)} for name, value in judged[:WORST_LAYERS]],
+            "outputs": self.cost.outputs,
+            "logits": self.cost.logits,
+            "layers": [layer.to_dict() for layer in layers],
+        }
+
+
+def _outputs(io, samples, dtype: torch.dtype, device: str, first=None) -> list[list[torch.Tensor]]:
+    outs = []
+    with torch.inference_mode(), full_float32():
+        for index, sample in enumerate(samples):
+            def run(s=sample):
+                return io(*cast_sample(s, dtype, device))
+
+            if index == 0 and first is not None:
+                result = first(run)
+            else:
+                result = run()
+            outs.append([t.detach().clone() for t in result])
+    return outs
+
+
+def quantize_stage(io, model: torch.nn.Module, recipe: Recipe, samples: list[dict[str, torch.Tensor]],
+                   names: tuple[str, ...], reference_outputs: list[list[torch.Tensor]]) -> Quantization:
+    """Quantize ``model`` (the module ``io`` runs) in place and judge what it cost."""
+    section, device, dtype = recipe.quantize, recipe.runtime.device, recipe.runtime.dtype
+    with cast_in_place(io, torch_dtype(dtype), device):
+        unquantized = _outputs(io, samples, torch_dtype(dtype), device)
+    quantized = quantize_model(model, section.scheme, section.exclude, section.include_head)
+    captured: list[Any] = []
+
+    def checked(run):
+        layer_sqnr(model, quantized, lambda: captured.append(run()))
+        return captured[0]
+
+    try:
+        with cast_in_place(io, torch_dtype(dtype), device):
+            outputs = _outputs(io, samples, torch_dtype(dtype), device, first=checked)
+        cost = Cost(section.scheme, budget_of(section), dtype)
+        judge_layers(cost, quantized)
+        judge_outputs(cost, names, samples, outputs, unquantized, reference_outputs)
+    finally:
+        quantized.release()
+    return Quantization(quantized, cost)
+
+
+def quantize_decoder(model: torch.nn.Module, recipe: Recipe, transformers: bool, prompt, tokens: torch.Tensor,
+                     reference_logits: torch.Tensor, unquantized_logits: torch.Tensor) -> Quantization:
+    """``--task text-generation``: quantize ``model`` (in the recipe's dtype) in place and judge what it cost on
+    the judged steps, teacher-forced on the original reference's tokens: each step's logits against the original
+    float64 logits (``reference_logits``, ``[steps, batch, vocab]``), beside the unquantized model's
+    (``unquantized_logits``), with top-1 agreement and KL against the latter over every step and row."""
+    from ..generation.reference import forced_logits  # noqa: PLC0415 - the generation stage's own helper
+    from ..modelio import attention_implementation  # noqa: PLC0415
+
+    section, device, dtype = recipe.quantize, recipe.runtime.device, recipe.runtime.dtype
+    quantized = quantize_model(model, section.scheme, section.exclude, section.include_head)
+    model.to(torch_dtype(dtype))
+    captured: list[torch.Tensor] = []
+    try:
+        with attention_implementation(model, "eager"):
+            layer_sqnr(model, quantized, lambda: captured.append(forced_logits(model, prompt, tokens, device,
+                                                                                transformers)))
+        cost = Cost(section.scheme, budget_of(section), dtype)
+        judge_layers(cost, quantized)
+        judge_outputs(cost, ("logits",), [{}], [[captured[0]]], [[unquantized_logits]], [[reference_logits]])
+    finally:
+        quantized.release()
+    return Quantization(quantized, cost)

@@ -1,0 +1,195 @@
+"""fp8 through the whole convert, on the CPU (PyTorch's CPU ``_scaled_mm`` performs the same fp8 roundings; its
+speed says nothing about a GPU's): both questions of the gate, each failing on its own planted defect, the report
+and manifest, the stored fp8 weights, and ``exporter verify`` asking both questions again."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import exporter
+from exporter.recipe import load_recipe
+from exporter.verify import verify
+
+pytestmark = pytest.mark.slow
+
+SETTINGS = ("quantize.scheme=fp8-rowwise", "runtime.dtype=bfloat16")
+LINEARS = 14  # a tiny Llama: 2 layers x (q, k, v, o, gate, up, down); the head stays in bf16
+
+
+def quick(targets=("exported_program", "aoti")):
+    recipe = load_recipe("cpu-fp32")
+    return dataclasses.replace(recipe, bench=dataclasses.replace(recipe.bench, warmup=1, rounds=1, iterations=2),
+                               targets=dataclasses.replace(recipe.targets, build=tuple(targets)))
+
+
+@pytest.fixture(scope="module")
+def fp8_run(tiny_models, tmp_path_factory):
+    out = tmp_path_factory.mktemp("fp8") / "llama"
+    return exporter.convert(tiny_models["llama"], quick(), out, settings=SETTINGS)
+
+
+def test_both_questions_pass_and_are_reported_apart(fp8_run):
+    report = fp8_run.report
+    assert fp8_run.exit_code == 0, report["problems"]
+    q = report["quantization"]
+    assert q["passed"] and q["scheme"] == "fp8-rowwise" and q["weight_dtype"] == "float8_e4m3fn"
+    assert q["counts"] == {"fp8": LINEARS, "excluded": 1, "fallback": 0} and q["excluded"] == ["lm_head"]
+    layers = [layer for layer in q["layers"] if layer["status"] == "fp8"]
+    assert len(layers) == LINEARS and all(layer["sqnr_db"] >= q["budget"]["layer_min_sqnr_db"] for layer in layers)
+    for row in q["outputs"]:  # fp8 costs more than bf16 does, and the report says how much more
+        assert row["sqnr_db"] < row["unquantized_sqnr_db"] and row["error_ratio"] > 1
+        assert row["sqnr_db"] >= 20 or row["error_ratio"] <= 16
+    assert {e["sample"] for e in q["logits"]} == {0, 1} and all(0 <= e["top1_agreement"] <= 1 for e in q["logits"])
+    # question 1: each artifact judged against the quantized model's float64 arithmetic
+    assert report["reference"]["model"].startswith("quantized")
+    for variant in [report["rewritten"], *report["artifacts"]]:
+        assert variant["status"] == "ok", (variant["name"], variant["error"])
+        assert variant["numerics"]["passed"]
+    text = (fp8_run.out / "report.md").read_text()
+    assert "## Quantization" in text and "fp8 error = N × bfloat16" in text
+    manifest = json.loads((fp8_run.out / "manifest.json").read_text())
+    assert manifest["quantization"]["scheme"] == "fp8-rowwise"
+    assert manifest["quantization"]["scales_dtype"] == "float32" and manifest["quantization"]["excluded"] == ["lm_head"]
+    assert manifest["recipe"]["quantize"]["min_sqnr_db"] == 20.0
+    assert any(f["path"] == "reference/original_outputs.safetensors" for f in manifest["files"])
+
+
+def test_the_exported_program_stores_the_linears_in_fp8(fp8_run):
+    entry = next(a for a in fp8_run.report["artifacts"] if a["name"] == "exported_program")
+    program = torch.export.load(str(fp8_run.out / entry["path"]))
+    fp8 = [v for v in program.state_dict.values() if v.dtype == torch.float8_e4m3fn]
+    fp8 += [v for v in program.constants.values() if isinstance(v, torch.Tensor) and v.dtype == torch.float8_e4m3fn]
+    assert len(fp8) == LINEARS
+    scaled = [n for n in program.graph.nodes if n.op == "call_function" and "_scaled_mm" in str(n.target)]
+    assert len(scaled) == LINEARS
+
+
+def test_verify_asks_both_questions_again(fp8_run):
+    result = verify(fp8_run.out)
+    assert result.exit_code == 0, result.problems
+    numerics = [c for c in result.checks if c.name == "numerics"]
+    assert {c.subject for c in numerics} == {"exported_program", "aoti"} and all(c.passed for c in numerics)
+
+
+def test_verify_fails_an_artifact_the_original_reference_no_longer_supports(fp8_run, tmp_path):
+    """The second question re-asked of the artifact itself: with a tighter stored budget the same artifact is
+    over it (the folder is re-hashed so only the budget differs)."""
+    import shutil
+
+    from exporter.report.files import build_manifest
+    out = tmp_path / "copy"
+    shutil.copytree(fp8_run.out, out)
+    report = json.loads((out / "report.json").read_text())
+    report["quantization"]["budget"].update(min_sqnr_db=60.0, max_error_ratio=1.0)
+    (out / "report.json").write_text(json.dumps(report))
+    manifest = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(json.dumps(build_manifest(out, report, [], manifest["recipe"])))
+    result = verify(out)
+    assert result.exit_code == 3
+    problems = " ".join(result.problems)
+    assert "against the original model SQNR" in problems and "(this artifact)" in problems
+
+
+def test_a_wrong_scale_in_one_layer_fails_question_two_and_is_named(tiny_models, tmp_path, monkeypatch):
+    """Question 2 fails and names the layer; question 1 passes: the artifacts compute the (wrongly) quantized
+    model faithfully. The two questions stay apart."""
+    from exporter.quantize import stage
+
+    real = stage.quantize_model
+
+    def planted(model, *args, **kwargs):
+        audit = real(model, *args, **kwargs)
+        model.get_submodule("model.layers.1.mlp.up_proj").scales.mul_(1.7)
+        return audit
+
+    monkeypatch.setattr(stage, "quantize_model", planted)
+    result = exporter.convert(tiny_models["llama"], quick(("exported_program",)), tmp_path / "out", settings=SETTINGS)
+    report = result.report
+    assert result.exit_code == 3
+    q = report["quantization"]
+    assert not q["passed"] and q["worst_layers"][0]["name"] == "model.layers.1.mlp.up_proj"
+    low = [layer["name"] for layer in q["layers"] if layer["sqnr_db"] is not None and layer["sqnr_db"] < 20]
+    assert low == ["model.layers.1.mlp.up_proj"]
+    assert any("quantization: numerics failed" in p and "model.layers.1.mlp.up_proj" in p for p in report["problems"])
+    program = next(a for a in report["artifacts"] if a["name"] == "exported_program")
+    assert program["status"] == "ok" and program["numerics"]["passed"]
+
+
+def test_an_export_only_defect_fails_question_one(tiny_models, tmp_path, monkeypatch):
+    """A defect only the exported graph carries (the weight scales of the MLP's gate and up products dropped, as
+    a broken lowering would): the artifacts fail and are localised to the MLP; question 2, asked of the eager
+    quantized model, passes."""
+    from exporter.quantize import fp8
+
+    real = fp8.rowwise_product
+
+    def planted(x, qweight, scales):
+        if torch.compiler.is_exporting() and qweight.shape[0] == 128:  # gate_proj and up_proj
+            scales = torch.ones_like(scales)
+        return real(x, qweight, scales)
+
+    monkeypatch.setattr(fp8, "rowwise_product", planted)
+    result = exporter.convert(tiny_models["llama"], quick(("exported_program",)), tmp_path / "out", settings=SETTINGS)
+    report = result.report
+    assert result.exit_code == 3
+    assert report["quantization"]["passed"]
+    assert report["rewritten"]["status"] == "ok"
+    program = next(a for a in report["artifacts"] if a["name"] == "exported_program")
+    assert program["status"] == "numerics_failed"
+    located = program["numerics"]["locate"]["module"]
+    assert located.startswith("model.layers.0.mlp"), located
+
+
+def test_the_absolute_budget_holds_on_a_real_checkpoint(minilm_path, tmp_path):
+    """all-MiniLM-L6-v2 (real weights, not chaotic): every output within 20 dB of SQNR of the original float64
+    reference on its own, without the relative allowance."""
+    result = exporter.convert(minilm_path, quick(("exported_program",)), tmp_path / "out", settings=SETTINGS)
+    assert result.exit_code == 0, result.report["problems"]
+    q = result.report["quantization"]
+    assert q["counts"]["fp8"] == 37 and q["passed"]
+    assert all(row["sqnr_db"] >= q["budget"]["min_sqnr_db"] for row in q["outputs"]), q["outputs"]
+    assert min(layer["sqnr_db"] for layer in q["layers"] if layer["sqnr_db"] is not None) > 25
+
+
+def test_h100_fp8_is_a_builtin_recipe():
+    recipe = load_recipe("h100-fp8")
+    assert recipe.quantize.scheme == "fp8-rowwise" and recipe.runtime.dtype == "bfloat16"
+    assert recipe.targets.build == ("exported_program", "aoti") and recipe.quantize.include_head is False
+
+
+def test_fp8_generation_prefill_and_decode(tiny_models, tmp_path):
+    """--task text-generation: the prefill and decode programs carry the fp8 linears (the AOTI weights file
+    holds them once, in fp8), each step is judged against the quantized model's float64 generation, and the
+    cost is judged on the steps teacher-forced on the original model's tokens."""
+    from safetensors import safe_open
+
+    result = exporter.convert(tiny_models["llama"], quick(), tmp_path / "out", settings=SETTINGS,
+                              task="text-generation")
+    report = result.report
+    assert result.exit_code == 0, report["problems"]
+    q = report["quantization"]
+    assert q["passed"] and q["counts"]["fp8"] == LINEARS
+    (logits,) = q["logits"]
+    assert 0.5 <= logits["top1_agreement"] <= 1 and 0 <= logits["kl"] < 0.01
+    assert report["reference"]["model"].startswith("quantized")
+    for entry in report["artifacts"]:
+        assert entry["status"] == "ok", (entry["name"], entry["error"])
+    with safe_open(str(result.out / "generation.aoti.weights.safetensors"), "pt") as weights:
+        dtypes = [weights.get_slice(name).get_dtype() for name in weights.keys()]
+    assert dtypes.count("F8_E4M3") == LINEARS
+    decode = torch.export.load(str(result.out / "decode.pt2"))
+    assert sum(1 for n in decode.graph.nodes if "_scaled_mm" in str(n.target)) == LINEARS
+    assert verify(result.out).exit_code == 0
+
+
+def test_validate_rebuilds_the_quantized_model(fp8_run):
+    """exporter validate re-judges the folder from the checkpoint: the model it rebuilds is quantized again, so the
+    artifacts meet the quantized reference they were stored with."""
+    from exporter.revalidate import validate_folder
+
+    result = validate_folder(fp8_run.out, targets=("exported_program",))
+    assert result["exit_code"] == 0, result["problems"]
