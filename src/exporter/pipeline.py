@@ -172,11 +172,12 @@ class ConvertRun:
                               f"{counts['fallback']} kept (fp8 cannot take them)")
                 if not self.quantization.cost.passed:
                     progress.warn(f"quantization budget: {self.quantization.cost.error()}")
-            with progress.stage("reference (quantized)", f"quantized model, float64, {device}"):
-                reference = run_reference(original, plan.samples, device=device)
+            del reference  # saved above: the original's float64 outputs are not held while the next ones are made
             gc.collect()
             if device.startswith("cuda"):  # the stage's float64 outputs stay cached otherwise, and the artifacts'
                 torch.cuda.empty_cache()  # processes (a CUDA-graph capture first) find the GPU full
+            with progress.stage("reference (quantized)", f"quantized model, float64, {device}"):
+                reference = run_reference(original, plan.samples, device=device)
         save_tensors(self.staging / "reference" / "outputs.safetensors", reference.outputs, signature.outputs)
 
         with progress.stage("rewrite attention"):

@@ -34,10 +34,28 @@ from .transform import Quantized
 INF_DB = 999.0  # an exact match, written as a finite number in JSON
 
 
+CHUNK_ROWS = 1024  # rows of a large output (logits: tokens x vocabulary) taken in float64 at a time
+
+
+def _chunks(*tensors: torch.Tensor):
+    """The tensors' rows (last dimension kept), ``CHUNK_ROWS`` at a time, detached, in float64 on the first's
+    device: a 128k-vocabulary logits tensor is never copied to float64 whole."""
+    flat = [t.detach().reshape(-1, t.shape[-1]) if t.dim() else t.detach().reshape(1, 1) for t in tensors]
+    device = flat[0].device
+    for start in range(0, flat[0].shape[0], CHUNK_ROWS):
+        yield [f[start:start + CHUNK_ROWS].to(device=device, dtype=torch.float64) for f in flat]
+
+
+def _noise_and_signal(candidate: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
+    noise = signal = 0.0
+    for cand, ref in _chunks(candidate, reference):
+        noise += float((cand - ref).pow(2).sum())
+        signal += float(ref.pow(2).sum())
+    return noise, signal
+
+
 def sqnr_db(candidate: torch.Tensor, reference: torch.Tensor) -> float:
-    ref = reference.detach().double()
-    noise = float((candidate.detach().double() - ref).pow(2).sum())
-    signal = float(ref.pow(2).sum())
+    noise, signal = _noise_and_signal(candidate, reference)
     if noise == 0.0:
         return INF_DB
     if signal == 0.0:
@@ -46,10 +64,10 @@ def sqnr_db(candidate: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def relative_l2(candidate: torch.Tensor, reference: torch.Tensor) -> float:
-    ref = reference.detach().double()
-    norm = float(ref.norm())
-    diff = float((candidate.detach().double() - ref).norm())
-    return diff / norm if norm else (0.0 if diff == 0.0 else math.inf)
+    noise, signal = _noise_and_signal(candidate, reference)
+    if signal == 0.0:
+        return 0.0 if noise == 0.0 else math.inf
+    return math.sqrt(noise / signal)
 
 
 @dataclass(frozen=True)
@@ -79,9 +97,15 @@ def layer_sqnr(model: nn.Module, quantized: Quantized, run) -> None:
         weight, bias = quantized.originals.get(name, (None, None))
         if weight is None:
             return
-        x = args[0].double()
-        exact = F.linear(x, weight.double(), None if bias is None else bias.double())
-        value = sqnr_db(output, exact)
+        x = args[0].detach()
+        noise = signal = 0.0
+        w64, b64 = weight.detach().double(), None if bias is None else bias.detach().double()
+        for rows, out in _chunks(x, output):  # the float64 product of the original weight, rows at a time
+            exact = F.linear(rows, w64, b64)
+            noise += float((out - exact).pow(2).sum())
+            signal += float(exact.pow(2).sum())
+        value = INF_DB if noise == 0.0 else (-INF_DB if signal == 0.0 else
+                                             min(INF_DB, 10.0 * math.log10(signal / noise)))
         layer = quantized.layer(name)
         layer.sqnr_db = value if layer.sqnr_db is None else min(layer.sqnr_db, value)
 
@@ -105,13 +129,17 @@ def _positions(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
 
 
 def top1_and_kl(candidate: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None) -> tuple[float, float]:
-    """(share of positions whose argmax agrees, mean KL(target || candidate) in nats), in float64."""
-    cand, ref = _positions(candidate, mask).double(), _positions(target, mask).double()
-    if cand.shape[0] == 0:
+    """(share of positions whose argmax agrees, mean KL(target || candidate) in nats), in float64, a chunk of
+    positions at a time."""
+    cand_rows, ref_rows = _positions(candidate, mask), _positions(target, mask)
+    if cand_rows.shape[0] == 0:
         return 1.0, 0.0
-    agree = float((cand.argmax(-1) == ref.argmax(-1)).double().mean())
-    kl = F.kl_div(F.log_softmax(cand, -1), F.log_softmax(ref, -1), log_target=True, reduction="none").sum(-1)
-    return agree, float(kl.mean())
+    agree = kl = 0.0
+    for cand, ref in _chunks(cand_rows, ref_rows.to(cand_rows.device)):
+        agree += float((cand.argmax(-1) == ref.argmax(-1)).sum())
+        kl += float(F.kl_div(F.log_softmax(cand, -1), F.log_softmax(ref, -1), log_target=True,
+                             reduction="sum"))
+    return agree / cand_rows.shape[0], kl / cand_rows.shape[0]
 
 
 @dataclass
