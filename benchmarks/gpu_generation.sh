@@ -4,6 +4,7 @@
 # judged step by step against the float64 reference and timed against transformers' generate();
 # then `exporter verify` on the folder and `exporter generate --target aoti` from it.
 #   bash benchmarks/gpu_generation.sh [CONVERT OPTIONS...]   # one 10-minute call; options go to exporter convert
+#   SHAPE=llama8b LAYERS=2 RECIPE=h100-fp8 bash benchmarks/gpu_generation.sh   # fp8, a slice of the 8B shape
 # $OUT/summary.md: the report's tables; $OUT/generation.tar.gz: report.md, report.json and the logs.
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -13,20 +14,25 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; work=/tmp/generation; rm -rf "$work"; mkd
   python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
 } | tee "$OUT/summary.md"
 start=$(date +%s)
-python3 - "$work/llama1b" <<'PY'
+SHAPE=${SHAPE:-llama1b}; RECIPE=${RECIPE:-h100-bf16}
+echo "shape: $SHAPE${LAYERS:+, $LAYERS layers}; recipe: $RECIPE" | tee -a "$OUT/summary.md"
+python3 - "$work/$SHAPE" "$SHAPE" "${LAYERS:-0}" <<'PY'
 import sys, torch, transformers
 torch.manual_seed(0)
-config = transformers.LlamaConfig(num_hidden_layers=16, hidden_size=2048, intermediate_size=8192,
-                                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                                  max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=True,
-                                  torch_dtype="bfloat16")
+shape = {"llama1b": dict(num_hidden_layers=16, hidden_size=2048, intermediate_size=8192, tie_word_embeddings=True),
+         "llama8b": dict(num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, tie_word_embeddings=False)}
+sizes = shape[sys.argv[2]]
+if int(sys.argv[3]):
+    sizes["num_hidden_layers"] = int(sys.argv[3])
+config = transformers.LlamaConfig(**sizes, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                  max_position_embeddings=131072, rope_theta=500000.0, torch_dtype="bfloat16")
 with torch.device("cuda"):
     model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
 model.save_pretrained(sys.argv[1])
 PY
 echo "checkpoint written in $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.md"
 start=$(date +%s)
-timeout "${LIMIT:-480}" python3 -m exporter convert "$work/llama1b" --recipe h100-bf16 --task text-generation \
+timeout "${LIMIT:-480}" python3 -m exporter convert "$work/$SHAPE" --recipe "$RECIPE" --task text-generation \
   -t exported_program -t aoti --out "$work/gen" "$@" > "$work/stdout.txt" 2> "$work/stderr.txt"
 echo "## convert: exit code $? in $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.md"
 cat "$work/gen/report.md" >> "$OUT/summary.md" 2>/dev/null || tail -30 "$work/stderr.txt" | tee -a "$OUT/summary.md"

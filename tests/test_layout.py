@@ -152,7 +152,7 @@ def test_one_exit_code_rule_and_one_timing_loop():
     for path in PACKAGE.rglob("*.py"):
         text = path.read_text(encoding="utf-8")
         where = str(path.relative_to(PACKAGE))
-        if "EXIT_NUMERICS" in text and where not in ("errors.py", "results.py", "verify.py"):
+        if "EXIT_NUMERICS" in text and where not in ("errors.py", "results.py", "verification.py"):
             rule.append(where)
         if "Event(enable_timing" in text and where != "measure/bench.py":
             clocks.append(where)
@@ -197,3 +197,20 @@ def test_describe_cuts_at_a_word_boundary():
     assert text[:-1].split()[-1] in "Fix: make the model run in float64 on the CPU".split()
     assert describe(KeyError()) == "KeyError"
     assert describe(RecipeError("bad", "fix it")) == "bad. Fix: fix it."
+
+
+def test_no_public_name_of_the_package_is_also_a_submodule_name():
+    """``exporter.verify`` and the others stay the functions ``__all__`` names after every submodule is imported:
+    importing a submodule sets the package attribute of its name, so a function named like a module became that
+    module (``exporter.verify(out)``: 'module' object is not callable) once anything imported ``exporter.verify``."""
+    import importlib
+    import pkgutil
+
+    import exporter
+
+    modules = {info.name for info in pkgutil.iter_modules(exporter.__path__)}
+    assert not set(exporter.__all__) & modules
+    for name in ("verification", "revalidate", "api"):
+        importlib.import_module(f"exporter.{name}")
+    for name in exporter.__all__:
+        assert callable(getattr(exporter, name)), name

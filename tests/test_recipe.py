@@ -38,6 +38,13 @@ def test_h100_recipe_values():
     assert recipe.numerics.multiplier("bfloat16") == 3.0
 
 
+def test_h100_fp8_times_the_same_generation_as_h100_bf16():
+    """fp8 is read against bf16: a text-generation run of each must use the same batch, prompt, cache and steps
+    (a missing [generation] section once gave fp8 the defaults, batch 2 over a 64-slot cache, against bf16's 8 over
+    512)."""
+    assert load_recipe("h100-fp8").generation == load_recipe("h100-bf16").generation
+
+
 def test_recipe_is_frozen():
     recipe = load_recipe("cpu-fp32")
     with pytest.raises(dataclasses.FrozenInstanceError):

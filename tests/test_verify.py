@@ -17,7 +17,7 @@ import pytest
 import exporter
 from exporter.errors import UsageError
 from exporter.recipe import load_recipe
-from exporter.verify import EXIT_INTEGRITY, verify
+from exporter.verification import EXIT_INTEGRITY, verify
 
 pytestmark = pytest.mark.slow
 

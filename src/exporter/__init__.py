@@ -33,7 +33,7 @@ def __getattr__(name: str):  # keep `import exporter` light: torch loads on firs
 
         return batch
     if name == "verify":
-        from .verify import verify
+        from .verification import verify
 
         return verify
     if name == "validate_folder":

@@ -274,8 +274,8 @@ Examples:
 def verify(out_dir, junit, as_json):
     """Release gate: re-hash OUT_DIR against manifest.json, re-run every artifact on the stored reference
     inputs and compare with the stored reference outputs. Needs no checkpoint."""
-    from .verify import summary
-    from .verify import verify as run_verify
+    from .verification import summary
+    from .verification import verify as run_verify
 
     result = run_verify(out_dir, junit=junit)
     if as_json:

@@ -33,7 +33,7 @@ from .recipe import GENERATION_TASKS, recipe_from_dict
 from .results import FAILED, NUMERICS_FAILED, VariantResult, exit_code, problem_lines, ratio
 from .rewrite import rewrite_attention
 from .targets.spec import RunnerFailed
-from .verify import artifact_spec, device_problem, load_reference, out_folder, read_json
+from .verification import artifact_spec, device_problem, load_reference, out_folder, read_json
 
 
 def _check_checkpoint(manifest: dict[str, Any], checkpoint: Path) -> None:

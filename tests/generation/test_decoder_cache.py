@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from exporter.generation.bench import weight_bytes
 from exporter.generation.cache import DecoderStep, probe_layout
 from exporter.generation.driver import Prompt, Steps, generate
 from exporter.generation.reference import reference_generation
@@ -44,3 +45,40 @@ def test_eager_generate_is_timed_within_its_budget(tiny_models):
     prompt = Prompt(torch.ones(1, 6, dtype=torch.long), torch.ones(1, 6, dtype=torch.long))
     assert time_eager_generate(model, prompt, 4, "cpu", rounds=3, max_seconds=1e-6)["rounds"] == 1
     assert time_eager_generate(model, prompt, 4, "cpu", rounds=3)["rounds"] == 3
+
+
+def test_weight_bytes_count_an_embedding_table_only_where_a_tied_head_reads_it():
+    """A decode step gathers one row of an embedding table per token: an untied table is not bytes read, a tied
+    one is (the head reads all of it), once."""
+    import transformers
+
+    def llama(tied: bool) -> torch.nn.Module:
+        config = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
+                                          tie_word_embeddings=tied)
+        return transformers.LlamaForCausalLM(config)
+
+    untied, tied = llama(False), llama(True)
+    table = 1000 * 32 * 4
+    def everything(model: torch.nn.Module) -> int:  # parameters (each once) and buffers (rotary frequencies)
+        return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+    assert weight_bytes(untied) == everything(untied) - table  # head counted, table not
+    assert weight_bytes(tied) == everything(tied)  # the shared table once
+    assert weight_bytes(tied) == weight_bytes(untied)
+
+
+def test_weight_bytes_leave_out_an_encoder_but_not_what_the_decoder_shares_with_it():
+    """An encoder-decoder's decode step reads the decoder and the head, not the encoder; T5 ties the head to the
+    embedding table both halves share, so that table still counts, once."""
+    import transformers
+
+    config = transformers.T5Config(d_model=32, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=4, d_kv=8,
+                                   vocab_size=500, tie_word_embeddings=True)
+    model = transformers.T5ForConditionalGeneration(config)
+    encoder = model.get_encoder()
+    whole, decoding = weight_bytes(model), weight_bytes(model, encoder)
+    encoder_only = sum(p.numel() * 4 for m in encoder.modules() if not isinstance(m, torch.nn.Embedding)
+                       for p in m.parameters(recurse=False))  # its tables (tokens, position buckets) never counted
+    assert decoding == whole - encoder_only
+    assert decoding >= 500 * 32 * 4  # the shared table, read whole by the tied head

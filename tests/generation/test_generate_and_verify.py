@@ -8,8 +8,8 @@ import json
 import pytest
 
 import exporter
+from exporter import verify  # the function: no module shadows it (tests/test_layout.py)
 from exporter.revalidate import validate_folder
-from exporter.verify import verify
 
 
 def test_generate_prints_the_reference_tokens(llama_generation, generate_cli):

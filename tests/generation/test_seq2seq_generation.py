@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import exporter
+from exporter import verify  # the function: no module shadows it (tests/test_layout.py)
 from exporter.errors import ArchitectureError
-from exporter.verify import verify
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,7 +12,7 @@ import torch
 
 import exporter
 from exporter.recipe import load_recipe
-from exporter.verify import verify
+from exporter.verification import verify
 
 pytestmark = pytest.mark.slow
 

@@ -113,3 +113,27 @@ def test_weight_only_rounds_the_weight_alone():
     program = torch.export.export(weight_only.to(torch.bfloat16), (x[:2].bfloat16(),))
     assert not any("_scaled_mm" in str(n.target) for n in program.graph.nodes)
     assert weight_only.qweight.dtype == FP8
+
+
+def test_the_kl_allowance_is_the_error_allowance_squared():
+    """Where the unquantized model is itself off float64, KL passes within max_error_ratio squared times its own
+    KL (KL is second order in the logit error): an error 10x bf16's passes (KL about 100x), 20x fails (400x)."""
+    from exporter.quantize.cost import Budget, Cost, judge_outputs
+
+    generator = torch.Generator().manual_seed(0)
+    ref = 2 * torch.randn(1, 64, 50, generator=generator, dtype=torch.float64)
+
+    def noisy(scale: float) -> torch.Tensor:
+        return ref + scale * torch.randn(ref.shape, generator=generator, dtype=torch.float64)
+
+    budget = Budget(min_sqnr_db=99.0, max_error_ratio=16.0, layer_min_sqnr_db=20.0, min_top1=0.0, max_kl=1e-9)
+    unquantized = noisy(0.01)
+    figures = {}
+    for factor in (10, 20):
+        cost = Cost(scheme="fp8-rowwise", budget=budget, dtype="bfloat16")
+        judge_outputs(cost, ("logits",), [{}], [[noisy(0.01 * factor)]], [[unquantized]], [[ref]])
+        figures[factor] = (cost.logits[0]["kl"] / cost.logits[0]["unquantized_kl_vs_float64"], cost.problems)
+    ratio10, problems10 = figures[10]
+    ratio20, problems20 = figures[20]
+    assert 50 < ratio10 < 256 and not problems10, figures  # the old rule (KL <= bf16's own) failed this one
+    assert ratio20 > 256 and any("mean KL" in p for p in problems20), figures

@@ -2,11 +2,11 @@
 
 The decode step of a decoder at small batch reads every weight and the whole static cache once per token
 and does little arithmetic: its limit is memory bandwidth. ``bytes_per_token`` counts what one step must
-read (the weights once, the KV cache of every layer); divided by the step's time it is the achieved
-bandwidth, and divided by the device's measured copy bandwidth (``copy_bandwidth``) it is the time limit the
-step is held against. On CUDA the decode is also replayed from a CUDA graph (its inputs are fixed-address
-buffers: ``DecoderStep``), which removes the launch overhead of every kernel; a step that cannot be captured
-is timed without, and the reason is kept.
+read (the weights once, an embedding table only where a tied head reads it whole, the KV cache of every
+layer); divided by the step's time it is the achieved bandwidth, and divided by the device's measured copy
+bandwidth (``copy_bandwidth``) it is the time limit the step is held against. On CUDA the decode is also
+replayed from a CUDA graph (its inputs are fixed-address buffers: ``DecoderStep``), which removes the launch
+overhead of every kernel; a step that cannot be captured is timed without, and the reason is kept.
 """
 
 from __future__ import annotations
@@ -34,12 +34,22 @@ def _median(fn: Callable[[], Any], device: str, warmup: int, rounds: int) -> flo
     return Timing.of(repeat(fn, rounds, device, warmup)).median_ms
 
 
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters and buffers, each storage once (tied weights are read once)."""
-    seen: dict[int, int] = {}
-    for tensor in list(model.parameters()) + list(model.buffers()):
-        seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-    return sum(seen.values())
+def weight_bytes(model: nn.Module, leave_out: nn.Module | None = None) -> int:
+    """Bytes a decode step reads of the model's parameters and buffers: each storage once (tied weights are read
+    once), an embedding table's only where something else reads it whole (a tied head). A step gathers one row
+    of a table per token, not the table: counting an untied 128k-vocabulary table read whole put an 8B-shaped
+    slice at 123% of the copy bandwidth. fp8 weights count their one byte each (the storages' own sizes).
+    ``leave_out``: a submodule the step never runs (an encoder-decoder's encoder, whose keys and values the
+    decode step reads from the cache); a tensor it shares with a module the step runs still counts."""
+    skipped = {id(m) for m in leave_out.modules()} if leave_out is not None else set()
+    read: dict[int, int] = {}
+    for module in model.modules():
+        if isinstance(module, nn.Embedding) or id(module) in skipped:
+            continue
+        for tensor in [*module._parameters.values(), *module._buffers.values()]:
+            if tensor is not None:
+                read[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    return sum(read.values())
 
 
 def copy_bandwidth(device: str, megabytes: int = 1024) -> float | None:

@@ -149,7 +149,7 @@ def write_setup(staging: Path, recipe: Recipe, ref: Reference, layout: Seq2SeqLa
         "max_source": max_source(model, layout, gen.prompt_length), "layout": layout.to_dict(),
         "numerics": {"k": ref.k, "atol": recipe.numerics.atol, "floor": recipe.numerics.floor, "bars": ref.bars},
         "timing": {"tokens": gen.bench_tokens, "warmup": recipe.bench.warmup, "rounds": recipe.bench.rounds,
-                   "cuda_graph": gen.cuda_graph, "weight_bytes": bench.weight_bytes(model),
+                   "cuda_graph": gen.cuda_graph, "weight_bytes": bench.weight_bytes(model, _encoder(model)),
                    "copy_bytes_per_s": bench.copy_bandwidth(device)},
     }
     (staging / "reference").mkdir(exist_ok=True)
@@ -283,6 +283,13 @@ def convert_seq2seq(checkpoint: Path, recipe: Recipe, staging: Path, allow_drift
         allow_drift=allow_drift, warnings=warnings, timings=progress.timings,
         total_s=time.perf_counter() - t_start, transformers=transformers, task=task)
     return finite(report), loaded.checkpoint
+
+
+def _encoder(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The encoder a decode step never runs (its keys and values are in the cache), for the bytes a step reads."""
+    get = getattr(model, "get_encoder", None)
+    encoder = get() if callable(get) else None
+    return encoder if isinstance(encoder, torch.nn.Module) else None
 
 
 SEQ2SEQ_TARGETS = ("exported_program", "aoti", "onnx")

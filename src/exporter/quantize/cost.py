@@ -13,9 +13,10 @@ reference, side by side with the unquantized model in the same dtype, and which 
   in bf16), when the fp8 error is within ``max_error_ratio`` times that model's own error.
 - Logits (an output named ``logits``, teacher-forced over every position the attention mask keeps): the top-1
   agreement of the quantized model with the unquantized one and the mean KL divergence of the next-token
-  distribution, each judged against the budget or, where the unquantized model is itself further from float64,
-  against that model's own agreement and KL (random weights: a 4-layer slice of the 8B shape in bf16 agrees with
-  float64 on a third of the tokens).
+  distribution, each judged against the budget or, where the unquantized model is itself far from float64,
+  relative to that model's own agreement and KL (random weights: a 4-layer slice of the 8B shape in bf16 agrees
+  with float64 on a third of the tokens); the KL's allowance is ``max_error_ratio`` squared, KL being second
+  order in the error.
 """
 
 from __future__ import annotations
@@ -193,20 +194,25 @@ def judge_outputs(cost: Cost, names: tuple[str, ...], samples: list[dict[str, to
 def _judge_logits(cost: Cost, index: int, q: torch.Tensor, u: torch.Tensor, ref: torch.Tensor,
                   mask: torch.Tensor | None) -> dict[str, Any]:
     """Top-1 agreement and KL of the quantized logits against the unquantized model's. Each passes at its budget,
-    or, as the output's SQNR does, where the unquantized model is itself that far from float64 (its own top-1
-    agreement and KL against the reference): fp8 then departs from bf16 no more than bf16 departs from float64."""
+    or by the relative allowance the output's SQNR has, in its own units:
+    - top-1: fp8 departs from bf16 no more than bf16 departs from float64 (its own agreement with the reference);
+    - KL: within ``max_error_ratio ** 2`` times bf16's own KL from float64. KL is second order in a small logit
+      error (``KL ~ Var(error) / 2``), so an error 16x bf16's is a KL 256x bf16's. Measured on the H200 (2 layers
+      of the 8B shape, random weights): fp8 error = 9.9x bf16's, KL = 97x bf16's (9.9 squared is 98)."""
     budget = cost.budget
     top1, kl = top1_and_kl(q, u, mask)
     own_top1, own_kl = top1_and_kl(u, ref, mask)
+    allowed_kl = budget.max_error_ratio ** 2 * own_kl
     top1_ok = top1 >= budget.min_top1 or top1 >= own_top1
-    kl_ok = kl <= budget.max_kl or kl <= own_kl
+    kl_ok = kl <= budget.max_kl or kl <= allowed_kl
     if not top1_ok:
         cost.problems.append(f"logits (sample {index}): top-1 agreement with the {cost.dtype} model {top1:.3f} < "
                              f"{budget.min_top1:g} (and below {cost.dtype}'s own agreement with float64, "
                              f"{own_top1:.3f})")
     if not kl_ok:
-        cost.problems.append(f"logits (sample {index}): mean KL against the {cost.dtype} model {kl:.4f} > "
-                             f"{budget.max_kl:g} nats (and above {cost.dtype}'s own against float64, {own_kl:.4f})")
+        cost.problems.append(f"logits (sample {index}): mean KL against the {cost.dtype} model {kl:.4g} > "
+                             f"{budget.max_kl:g} nats (and above {budget.max_error_ratio:g}^2 x {cost.dtype}'s own "
+                             f"against float64, {own_kl:.3g})")
     return {"sample": index, "top1_agreement": top1, "kl": kl, "unquantized_top1_vs_float64": own_top1,
             "unquantized_kl_vs_float64": own_kl, "passed": top1_ok and kl_ok}
 

@@ -75,28 +75,41 @@ def _outputs(io, samples, dtype: torch.dtype, device: str, first=None) -> list[l
     return outs
 
 
+def _quantize_and_judge(model: torch.nn.Module, section: QuantizeSection, dtype: str, run, names: tuple[str, ...],
+                        samples: list[dict[str, torch.Tensor]], unquantized: list[list[torch.Tensor]],
+                        reference: list[list[torch.Tensor]]) -> Quantization:
+    """What both tasks share: quantize ``model`` in place, ``run(checked)`` the quantized model once (``checked``
+    wraps one call with the per-layer check; ``run`` returns every sample's outputs), judge the layers and the
+    outputs, and drop the original weights whatever happened."""
+    quantized = quantize_model(model, section.scheme, section.exclude, section.include_head)
+    captured: list[Any] = []
+
+    def checked(call):
+        layer_sqnr(model, quantized, lambda: captured.append(call()))
+        return captured[0]
+
+    try:
+        outputs = run(checked)
+        cost = Cost(section.scheme, budget_of(section), dtype)
+        judge_layers(cost, quantized)
+        judge_outputs(cost, names, samples, outputs, unquantized, reference)
+    finally:
+        quantized.release()
+    return Quantization(quantized, cost)
+
+
 def quantize_stage(io, model: torch.nn.Module, recipe: Recipe, samples: list[dict[str, torch.Tensor]],
                    names: tuple[str, ...], reference_outputs: list[list[torch.Tensor]]) -> Quantization:
     """Quantize ``model`` (the module ``io`` runs) in place and judge what it cost."""
     section, device, dtype = recipe.quantize, recipe.runtime.device, recipe.runtime.dtype
     with cast_in_place(io, torch_dtype(dtype), device):
         unquantized = _outputs(io, samples, torch_dtype(dtype), device)
-    quantized = quantize_model(model, section.scheme, section.exclude, section.include_head)
-    captured: list[Any] = []
 
-    def checked(run):
-        layer_sqnr(model, quantized, lambda: captured.append(run()))
-        return captured[0]
-
-    try:
+    def run(checked):
         with cast_in_place(io, torch_dtype(dtype), device):
-            outputs = _outputs(io, samples, torch_dtype(dtype), device, first=checked)
-        cost = Cost(section.scheme, budget_of(section), dtype)
-        judge_layers(cost, quantized)
-        judge_outputs(cost, names, samples, outputs, unquantized, reference_outputs)
-    finally:
-        quantized.release()
-    return Quantization(quantized, cost)
+            return _outputs(io, samples, torch_dtype(dtype), device, first=checked)
+
+    return _quantize_and_judge(model, section, dtype, run, names, samples, unquantized, reference_outputs)
 
 
 def quantize_decoder(model: torch.nn.Module, recipe: Recipe, transformers: bool, prompt, tokens: torch.Tensor,
@@ -109,16 +122,11 @@ def quantize_decoder(model: torch.nn.Module, recipe: Recipe, transformers: bool,
     from ..modelio import attention_implementation  # noqa: PLC0415
 
     section, device, dtype = recipe.quantize, recipe.runtime.device, recipe.runtime.dtype
-    quantized = quantize_model(model, section.scheme, section.exclude, section.include_head)
-    model.to(torch_dtype(dtype))
-    captured: list[torch.Tensor] = []
-    try:
+
+    def run(checked):
+        model.to(torch_dtype(dtype))
         with attention_implementation(model, "eager"):
-            layer_sqnr(model, quantized, lambda: captured.append(forced_logits(model, prompt, tokens, device,
-                                                                                transformers)))
-        cost = Cost(section.scheme, budget_of(section), dtype)
-        judge_layers(cost, quantized)
-        judge_outputs(cost, ("logits",), [{}], [[captured[0]]], [[unquantized_logits]], [[reference_logits]])
-    finally:
-        quantized.release()
-    return Quantization(quantized, cost)
+            return [[checked(lambda: forced_logits(model, prompt, tokens, device, transformers))]]
+
+    return _quantize_and_judge(model, section, dtype, run, ("logits",), [{}], [[unquantized_logits]],
+                               [[reference_logits]])

@@ -178,7 +178,8 @@ def render_generation(report: dict[str, Any]) -> str:
     for entry in skipped:
         lines.append(f"- {entry['name']}: skipped — {entry['error']}")
     lines += ["", "## Timing", "",
-              "Decode per token; the CUDA-graph column replays the decode step from a graph; bandwidth: weights and "
+              "Decode per token; the CUDA-graph column replays the decode step from a graph; bandwidth: the weights "
+              "a step runs (an embedding table only where a tied head reads it whole, an encoder not at all) and "
               "the whole static cache read once per token, as a fraction of the measured copy bandwidth.", "",
               "A time marked ⚠ is noisy: the interquartile range of its rounds exceeds a tenth of the median.", "",
               "| variant | batch | prefill ms | decode ms/token | graph ms/token | tokens/s | of copy bandwidth |",

@@ -208,7 +208,8 @@ def quantization_lines(r: dict[str, Any]) -> list[str]:
              + f", {q['counts']['fallback']} kept because fp8 cannot take them. What it cost, against the original "
              f"model's float64 reference: {verdict} (every output SQNR ≥ {b['min_sqnr_db']:g} dB or its error ≤ "
              f"{b['max_error_ratio']:g}× {dtype}'s own; every fp8 layer ≥ {b['layer_min_sqnr_db']:g} dB; logits "
-             f"top-1 ≥ {b['min_top1']:g}, KL ≤ {b['max_kl']:g}). The artifacts are judged against the quantized "
+             f"top-1 ≥ {b['min_top1']:g} or ≥ {dtype}'s own, KL ≤ {b['max_kl']:g} or ≤ {b['max_error_ratio']:g}² × "
+             f"{dtype}'s own). The artifacts are judged against the quantized "
              "model (the table above).", "",
              f"| output | sample | fp8 SQNR dB | {dtype} SQNR dB | fp8 rel. L2 | {dtype} rel. L2 | fp8 error = N × "
              f"{dtype} | within budget |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
