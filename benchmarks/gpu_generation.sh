@@ -5,6 +5,7 @@
 # then `exporter verify` on the folder and `exporter generate --target aoti` from it.
 #   bash benchmarks/gpu_generation.sh [CONVERT OPTIONS...]   # one 10-minute call; options go to exporter convert
 #   SHAPE=llama8b LAYERS=2 RECIPE=h100-fp8 bash benchmarks/gpu_generation.sh   # fp8, a slice of the 8B shape
+#   TARGETS="aoti" ... bash benchmarks/gpu_generation.sh   # the targets built (default: exported_program aoti)
 # $OUT/summary.md: the report's tables; $OUT/generation.tar.gz: report.md, report.json and the logs.
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -33,7 +34,7 @@ PY
 echo "checkpoint written in $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.md"
 start=$(date +%s)
 timeout "${LIMIT:-480}" python3 -m exporter convert "$work/$SHAPE" --recipe "$RECIPE" --task text-generation \
-  -t exported_program -t aoti --out "$work/gen" "$@" > "$work/stdout.txt" 2> "$work/stderr.txt"
+  $(for t in ${TARGETS:-exported_program aoti}; do printf -- '-t %s ' "$t"; done) --out "$work/gen" "$@" > "$work/stdout.txt" 2> "$work/stderr.txt"
 echo "## convert: exit code $? in $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.md"
 cat "$work/gen/report.md" >> "$OUT/summary.md" 2>/dev/null || tail -30 "$work/stderr.txt" | tee -a "$OUT/summary.md"
 grep -v "Writing model" "$work/stderr.txt" | tail -25

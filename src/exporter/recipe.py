@@ -89,6 +89,9 @@ class GenerationSection:
     bench_tokens: int = 32  # decode steps timed after the prompt
     cuda_graph: bool = True  # also time the decode replayed from a CUDA graph (CUDA only)
     fuse_projections: bool = True  # export the linears that read one input (q, k, v; gate, up) as one product
+    # AOTI: also a decode program with the batch fixed at 1, compiled with Inductor's coordinate-descent tuning (a
+    # product of one row becomes a reduction kernel tuned to it); the runner uses it for a batch of one row
+    decode_batch_1: bool = False
 
 
 QUANTIZE_SCHEMES = ("none", "fp8-rowwise", "fp8-weight-only")

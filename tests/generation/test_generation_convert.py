@@ -109,16 +109,17 @@ def test_a_model_transformers_keeps_off_sdpa_generates_on_its_eager_attention(tm
 
 
 def test_a_decoder_transformers_cannot_switch_says_so_per_site():
-    """Falcon branches on its config at run time and cannot be switched to SDPA once built
-    (``set_attn_implementation`` only warns): its decode programs keep eager attention and each site says why,
-    instead of a report with no sites."""
+    """BLOOM does not dispatch attention through transformers' AttentionInterface, so it cannot be switched to SDPA
+    once built (``set_attn_implementation`` only warns): its decode programs keep eager attention and each site says
+    why, instead of a report with no sites. (Falcon was such a model until transformers 5.25 moved it onto the
+    interface; BLOOM is one on every transformers this project supports.)"""
     pytest.importorskip("transformers")
     from exporter.generation.run import eager_sites, sdpa_refusal
     from exporter.testing.architectures import by_name
 
-    model = by_name("falcon").build()
+    model = by_name("bloom").build()
     reason = sdpa_refusal(model, transformers=True)
-    assert reason and "cannot switch FalconForCausalLM to SDPA" in reason
+    assert reason and "cannot switch BloomForCausalLM to SDPA" in reason
     audit = eager_sites(model, reason)
     assert audit.found == model.config.num_hidden_layers
     assert all(s.status == "skipped" and s.reason == reason for s in audit.sites)

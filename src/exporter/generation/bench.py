@@ -81,12 +81,14 @@ def time_steps(steps: Steps, prompt: Prompt, tokens: int, warmup: int, rounds: i
                 where.fill_(prompt.length + t)
                 step()
 
-        eager_step = lambda: steps.decode(token, padding, where, kv)  # noqa: E731
+        decode = steps.decode_for(batch)
+        out["decode_program"] = "batch 1" if decode is not steps.decode else "dynamic batch"
+        eager_step = lambda: decode(token, padding, where, kv)  # noqa: E731
         out["decode"] = _timed(lambda: decode_all(eager_step), device, 1, rounds, per=tokens)
         out["decode"]["cuda_graph"] = False
         if graph and device.startswith("cuda"):
             try:
-                graphed = steps.fresh_decode() if steps.fresh_decode is not None else steps.decode
+                graphed = steps.fresh_for(batch)
                 cuda_graph = capture(lambda: graphed(token, padding, where, kv))
                 replayed = _timed(lambda: decode_all(cuda_graph.replay), device, 1, rounds, per=tokens)
                 out["decode_graph"] = {**replayed, "cuda_graph": True}

@@ -3,7 +3,8 @@
 ``Steps`` pairs two callables with ``DecoderStep``'s signature. ``generate`` runs them: the prefill over the
 prompt, then one decode per new token, over a cache it allocates. With ``forced`` tokens it feeds those
 instead of its own picks (teacher forcing), so every step's logits can be compared with the reference's at
-the same prefix; the tokens it returns are still its own picks at each step. ``load_steps`` loads a built
+the same prefix; the tokens it returns are still its own picks at each step. A batch of one row decodes with
+the decode program of batch 1 where the target built one (``Steps.decode_for``). ``load_steps`` loads a built
 target's two programs back as ``Steps`` (each target loads its own files: ``Target.load_decoder``).
 """
 
@@ -31,6 +32,19 @@ class Steps:
     # a second instance of the decode program, for a CUDA graph to capture: an AOTInductor container whose run
     # was captured cannot run outside the graph again (its completion event was recorded in the capture)
     fresh_decode: Optional[Callable[[], Step]] = None
+    # the decode program of batch 1 (generation.decode_batch_1), used for a batch of one row, and a fresh instance
+    decode_one: Optional[Step] = None
+    fresh_decode_one: Optional[Callable[[], Step]] = None
+
+    def decode_for(self, batch: int) -> Step:
+        """The decode program a batch of ``batch`` rows runs: the one of batch 1 where there is one and it fits."""
+        return self.decode_one if batch == 1 and self.decode_one is not None else self.decode
+
+    def fresh_for(self, batch: int) -> Step:
+        """A decode instance for a CUDA graph to capture, for ``batch`` rows."""
+        if batch == 1 and self.decode_one is not None:
+            return self.fresh_decode_one() if self.fresh_decode_one is not None else self.decode_one
+        return self.fresh_decode() if self.fresh_decode is not None else self.decode
 
 
 @dataclass
@@ -72,13 +86,14 @@ def generate(steps: Steps, prompt: Prompt, new_tokens: int, forced: torch.Tensor
     batch = ids.shape[0]
     padding = prompt.padding(steps.cache_length).to(device)
     kv = steps.layout.allocate(batch, steps.cache_length, steps.dtype, device)
+    decode = steps.decode_for(batch)
     logits: list[torch.Tensor] = []
     tokens: list[torch.Tensor] = []
     with torch.inference_mode():
         if prompt.length > 1:
             out = steps.prefill(ids, padding, torch.arange(prompt.length, device=device), kv)
         else:
-            out = steps.decode(ids, padding, torch.zeros(1, dtype=torch.long, device=device), kv)
+            out = decode(ids, padding, torch.zeros(1, dtype=torch.long, device=device), kv)
         for step in range(new_tokens):
             pick = out.argmax(-1)
             tokens.append(pick.cpu())
@@ -88,7 +103,7 @@ def generate(steps: Steps, prompt: Prompt, new_tokens: int, forced: torch.Tensor
                 break
             feed = forced[:, step].to(device) if forced is not None else pick
             position = torch.tensor([prompt.length + step], device=device)
-            out = steps.decode(feed.reshape(batch, 1).contiguous(), padding, position, kv)
+            out = decode(feed.reshape(batch, 1).contiguous(), padding, position, kv)
     return torch.stack(tokens, dim=1), logits
 
 
@@ -96,4 +111,5 @@ def load_steps(target: str, folder: Path, layout: CacheLayout, cache_length: int
                device: str) -> Steps:
     """A built target's prefill and decode programs in ``folder``, callable as ``Steps``."""
     loaded = targets.get(target).load_decoder(folder)
-    return Steps(loaded.prefill, loaded.decode, layout, cache_length, dtype, device, loaded.fresh_decode)
+    return Steps(loaded.prefill, loaded.decode, layout, cache_length, dtype, device, loaded.fresh_decode,
+                 loaded.decode_one, loaded.fresh_decode_one)

@@ -2,6 +2,8 @@
 
 ``export_steps`` exports the step twice: prefill with the prompt length dynamic (2 to the cache length) and
 decode with one token; the batch is dynamic in both (1 to the recipe's batch) and the cache length fixed.
+With ``one`` (``generation.decode_batch_1``) the decode program is exported once more with every shape static
+and the batch 1: what a target that compiles it apart (AOTI, tuned to one row) builds for a batch of one.
 The cache tensors are program inputs mutated in place, so the two programs share whatever cache the caller
 passes. With ``past`` it also exports both as ``PastStep`` (the cache in and returned updated), the form ONNX
 can express. Each target writes and loads its own files from these programs (``build_decoder`` and
@@ -50,12 +52,14 @@ def _examples(layout: CacheLayout, batch: int, prompt: int, cache_length: int, d
 
 
 def export_steps(step: DecoderStep, layout: CacheLayout, batch: int, prompt: int, cache_length: int,
-                 dtype: torch.dtype, device: str, fuse: bool = False, past: bool = False) -> DecoderPrograms:
+                 dtype: torch.dtype, device: str, fuse: bool = False, past: bool = False,
+                 one: bool = False) -> DecoderPrograms:
     """Both programs, decomposed to core ATen with SDPA kept. Named dims first; on a guard torch cannot prove
     over the range (seen on CUDA) the same ranges as ``Dim.DYNAMIC`` hints, noted. ``fuse``: the linears that
     read one tensor (q, k, v; gate, up) exported as one product each (``rewrite.fused_projections``). ``past``:
     also both programs as ``PastStep`` (the cache in and out), for ONNX; a failure there is
-    recorded (``past_error``) and leaves the other programs be."""
+    recorded (``past_error``) and leaves the other programs be. ``one``: also the decode program of batch 1,
+    every shape static (``decode_one``)."""
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
         groups = []
@@ -63,6 +67,10 @@ def export_steps(step: DecoderStep, layout: CacheLayout, batch: int, prompt: int
             _, probe_args = _examples(layout, 1, prompt, cache_length, dtype, device)
             groups = stack.enter_context(fused_projections(step.model, lambda: step(*probe_args)))
         exported = _export_both(step, layout, batch, prompt, cache_length, dtype, device)
+        if one:
+            _, single = _examples(layout, 1, prompt, cache_length, dtype, device)
+            program = torch.export.export(step, single, strict=False)
+            exported.decode_one = program.run_decompositions(decomposition_table())
         if past:
             try:
                 both = _export_both(PastStep(step), layout, batch, prompt, cache_length, dtype, device)

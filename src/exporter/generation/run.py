@@ -94,7 +94,7 @@ def sdpa_refusal(model: torch.nn.Module, transformers: bool) -> str | None:
     if not transformers:
         return None
     hf: Any = model  # a transformers PreTrainedModel
-    if not hf._can_set_attn_implementation():  # Falcon: set_attn_implementation would only warn
+    if not hf._can_set_attn_implementation():  # BLOOM: set_attn_implementation would only warn
         return (f"transformers cannot switch {type(model).__name__} to SDPA once it is built (it does not dispatch "
                 "attention through AttentionInterface); the forward convert's graph rule rewrites it, the decode "
                 "programs keep it as written")
@@ -206,9 +206,14 @@ def build_and_judge(entry: dict[str, Any], programs: DecoderPrograms, recipe: Re
             entry.update(status=FAILED, error=f"build failed: {describe(exc)}")
             return
         main = staging / target.decoder[-1]
+        notes = list(programs.notes)
+        if programs.decode_one is not None and target.decoder_one:
+            notes.append(f"{target.decoder_one}: the decode program again with the batch fixed at 1, compiled with "
+                         "coordinate-descent tuning (generation.decode_batch_1); a batch of one row decodes with it, "
+                         "judged with each prompt row alone")
         entry.update(build_s=time.perf_counter() - t0 + programs.export_s, path=target.decoder[-1],
                      files=[file_entry(f, staging) for f in files], sha256=sha256_file(main),
-                     size_bytes=sum(f.stat().st_size for f in files), notes=list(programs.notes),
+                     size_bytes=sum(f.stat().st_size for f in files), notes=notes,
                      programs=decoder_attention(target, programs, staging), fused_projections=programs.fused)
     with progress.stage(f"validate and time {name}"):
         result = run_session(staging, name, staging / "logs" / f"{name}.log", time_it=True)
@@ -337,7 +342,9 @@ def convert_generation(checkpoint: Path, recipe: Recipe, staging: Path, allow_dr
                 try:
                     programs = export_steps(step, layout, gen.batch, gen.prompt_length, gen.max_cache_len,
                                             torch_dtype(dtype), device, fuse=gen.fuse_projections,
-                                            past=any(entry["target"] == "onnx" for entry in wanted))
+                                            past=any(entry["target"] == "onnx" for entry in wanted),
+                                            one=gen.decode_batch_1 and any(targets.get(entry["target"]).decoder_one
+                                                                           for entry in wanted))
                 except Exception as exc:
                     warnings.append(f"export failed: {describe(exc)}")
                     (staging / "logs" / "export.log").write_text(repr(exc), encoding="utf-8")

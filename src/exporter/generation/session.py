@@ -5,6 +5,8 @@
 The request names the output folder (staged or final), the target, what to time and whether to time at all;
 the session loads the target's two programs, runs them teacher-forced on the reference's tokens (each step's
 logits judged against the stored bars), runs them on their own (greedy), times them, and writes the result.
+A target with a decode program of batch 1 is judged a second time with it: each prompt row alone, as the
+reference generated it (:func:`judge_rows_alone`); both verdicts must pass.
 ``exporter convert`` runs one per target (an AOTInductor package loads with the compiler's libstdc++ preloaded
 where that is needed: ``targets.toolchain``); ``exporter verify`` runs one without timing.
 """
@@ -15,6 +17,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +31,7 @@ from ..errors import describe
 from ..measure.bench import synchronize
 from . import bench
 from .cache import CacheLayout
-from .driver import Prompt, generate, load_steps
+from .driver import Prompt, Steps, generate, load_steps
 from .judge import judge_steps
 from .seq2seq import TASKS as SEQ2SEQ_TASKS
 from .seq2seq import Seq2SeqLayout, Seq2SeqSteps, Source
@@ -76,10 +79,41 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         numerics = setup["numerics"]
         result["numerics"] = judge_steps(request["target"], ref_logits[:steps_to_judge], ref_tokens[:, :steps_to_judge],
                                          logits, free, numerics["bars"], numerics["k"], numerics["atol"])
+        if steps.decode_one is not None:
+            alone = judge_rows_alone(request["target"], steps, prompt, ref_tokens, ref_logits, steps_to_judge, numerics)
+            merge_batch_1(result["numerics"], alone)
         if request.get("time"):
             timing = setup["timing"]
             result["bench"] = time_target(steps, prompt, timing)
     return finite(result)
+
+
+def judge_rows_alone(target: str, steps, prompt: Prompt, ref_tokens: torch.Tensor, ref_logits: torch.Tensor,
+                     count: int, numerics: dict[str, Any]) -> dict[str, Any]:
+    """The decode program of batch 1 judged: each prompt row alone and unpadded (as the reference generated it),
+    teacher-forced then free-running, the rows' logits stacked back into the batch and held to the same bars."""
+    forced_rows: list[list[torch.Tensor]] = []
+    free_rows: list[torch.Tensor] = []
+    for row in range(prompt.input_ids.shape[0]):
+        alone = prompt.row(row)
+        _, logits = generate(steps, alone, count, forced=ref_tokens[row:row + 1, :count])
+        free, _ = generate(steps, alone, count, keep_logits=False)
+        forced_rows.append(logits)
+        free_rows.append(free)
+    stacked = [torch.cat([rows[t] for rows in forced_rows]) for t in range(count)]
+    return judge_steps(f"{target} (batch 1)", ref_logits[:count], ref_tokens[:, :count], stacked,
+                       torch.cat(free_rows), numerics["bars"], numerics["k"], numerics["atol"])
+
+
+def merge_batch_1(verdict: dict[str, Any], alone: dict[str, Any]) -> None:
+    """``alone`` (the decode program of batch 1) kept in ``verdict["batch_1"]``; the verdict passes if both do."""
+    verdict["batch_1"] = alone
+    ratios = [r for r in (verdict.get("worst_ratio"), alone.get("worst_ratio")) if isinstance(r, (int, float))]
+    verdict["worst_ratio"] = max(ratios) if ratios else None
+    verdict["passed"] = bool(verdict["passed"]) and bool(alone["passed"])
+    verdict["failures"] = list(verdict["failures"]) + [f"batch 1: {f}" for f in alone["failures"]]
+    if not alone["passed"] and not alone["failures"]:
+        verdict["failures"].append("batch 1: NaN/Inf in the logits")
 
 
 def seq2seq_steps(target: str, folder: Path, setup: dict[str, Any]) -> Seq2SeqSteps:
@@ -125,12 +159,16 @@ def time_seq2seq_target(steps: Seq2SeqSteps, source: Source, timing: dict[str, A
     return out
 
 
-def time_target(steps, prompt: Prompt, timing: dict[str, Any]) -> dict[str, Any]:
-    """At batch 1 (the prompt's first row, unpadded) and at the recipe's batch."""
+def time_target(steps: Steps, prompt: Prompt, timing: dict[str, Any]) -> dict[str, Any]:
+    """At batch 1 (the prompt's first row, unpadded) and at the recipe's batch; with a decode program of batch 1,
+    batch 1 once more with the program of any batch (``batch_1_dynamic``: what the tuned program buys)."""
     out: dict[str, Any] = {}
     first = prompt.row(0)
-    for label, which in (("batch_1", first), ("batch", prompt)):
-        timed = bench.time_steps(steps, which, timing["tokens"], timing["warmup"], timing["rounds"],
+    runs = [("batch_1", first, steps), ("batch", prompt, steps)]
+    if steps.decode_one is not None:
+        runs.append(("batch_1_dynamic", first, replace(steps, decode_one=None, fresh_decode_one=None)))
+    for label, which, timed_steps in runs:
+        timed = bench.time_steps(timed_steps, which, timing["tokens"], timing["warmup"], timing["rounds"],
                                  graph=timing["cuda_graph"])
         bytes_per_token = timing["weight_bytes"] + steps.layout.bytes(which.input_ids.shape[0], steps.cache_length,
                                                                        steps.dtype)

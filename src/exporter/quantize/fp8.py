@@ -4,8 +4,13 @@
 stored in ``float8_e4m3fn`` with one float32 scale per output row (``amax(|row|) / 448``); at run time each row of
 the activation (one token) gets its own scale the same way, and ``torch._scaled_mm`` multiplies the two fp8
 operands with both scales applied to the float32 accumulator, writing the model's dtype. ``fp8-weight-only`` is
-torchao's ``Float8WeightOnlyConfig``: the same stored weight, dequantized before a matrix product in the model's
-dtype (it halves the bytes a decode step reads; the product itself is not fp8).
+torchao's ``Float8WeightOnlyConfig``: the same stored weight and the product in the model's dtype (it halves
+the bytes a decode step reads; the product itself is not fp8). It is written as the fp8 weight cast to the
+activation's dtype (exact: every e4m3 value is a bfloat16, float16 and float32 value), the product, then each
+output column times its row's scale in float32 (:func:`weight_only_product`), where torchao dequantizes the
+weight before the product: the same value in exact arithmetic, and a form Inductor fuses whole, the cast into
+the product's loads and the scale into its epilogue, so a decode step reads each weight byte once
+(docs/quantization.md, "Decode at batch 1": 1.49x the bf16 layer, where the dequantized form is 0.45x).
 
 A plain module rather than torchao's tensor subclass, for three reasons the gate needs: the float64 reference
 runs the same arithmetic (the two roundings to fp8, every product in float64), a move or cast of the model
@@ -66,6 +71,14 @@ def rowwise_product(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     return out.reshape(*x.shape[:-1], qweight.shape[0])
 
 
+def weight_only_product(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x @ (qweight * scales).T`` as ``(x @ qweight.T) * scales.T``: the weight cast (exactly) to x's dtype, the
+    product in x's dtype, the scales applied in float32 (float64 for the reference) and the result in x's dtype."""
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    product = x @ qweight.to(x.dtype).t()
+    return (product.to(wide) * scales.t().to(wide)).to(x.dtype)
+
+
 class Fp8Linear(nn.Module):
     """A linear whose weight is stored in fp8 with per-row float32 scales (``scheme``: see :data:`SCHEMES`).
 
@@ -100,7 +113,7 @@ class Fp8Linear(nn.Module):
         if self.scheme == "fp8-rowwise":
             out = rowwise_product(x, self.qweight, self.scales)
         else:
-            out = x @ self.dequantized_weight(x.dtype).t()
+            out = weight_only_product(x, self.qweight, self.scales)
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def _apply(self, fn, recurse=True):

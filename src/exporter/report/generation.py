@@ -113,6 +113,11 @@ def _verdict(numerics: dict[str, Any] | None) -> str:
     worst = numerics.get("worst_ratio")
     tokens = "tokens identical" if numerics.get("tokens_identical") else \
         f"{len(numerics.get('token_differences') or [])} row(s) differ"
+    alone = numerics.get("batch_1")
+    if alone:  # the decode program of batch 1, each row alone
+        tokens += "; batch-1 program " + ("passed" if alone.get("passed") else "FAILED") + (
+            ", tokens identical" if alone.get("tokens_identical") else
+            f", {len(alone.get('token_differences') or [])} row(s) differ")
     return f"{mark} (worst {worst:.2f} of its bar; {tokens})" if isinstance(worst, float) else f"{mark} ({tokens})"
 
 
@@ -181,16 +186,21 @@ def render_generation(report: dict[str, Any]) -> str:
               "Decode per token; the CUDA-graph column replays the decode step from a graph; bandwidth: the weights "
               "a step runs (an embedding table only where a tied head reads it whole, an encoder not at all) and "
               "the whole static cache read once per token, as a fraction of the measured copy bandwidth.", "",
-              "A time marked ⚠ is noisy: the interquartile range of its rounds exceeds a tenth of the median.", "",
+              "A time marked ⚠ is noisy: the interquartile range of its rounds exceeds a tenth of the median.", ""]
+    if any("batch_1_dynamic" in (row.get("bench") or {}) for row in report["artifacts"]):
+        lines += ["A target with a decode program of batch 1 (generation.decode_batch_1) decodes one row with it; the "
+                  "row \"1, the any-batch decode program\" times the same row with the program every other batch "
+                  "runs, for comparison.", ""]
+    lines += [
               "| variant | batch | prefill ms | decode ms/token | graph ms/token | tokens/s | of copy bandwidth |",
               "| --- | --- | --- | --- | --- | --- | --- |"]
     baseline = report["baseline"].get("bench") or {}
-    for label in ("batch_1", "batch"):
-        size = "1" if label == "batch_1" else str(gen["batch"])
-        if baseline:
+    sizes = {"batch_1": "1", "batch_1_dynamic": "1, the any-batch decode program", "batch": str(gen["batch"])}
+    for label, size in sizes.items():
+        if baseline and label in baseline:
             lines.append(f"| eager generate | {size} | " + " | ".join(_timing_cells(baseline, label)) + " |")
         for row in rows:
-            if row.get("bench"):
+            if row.get("bench") and (label != "batch_1_dynamic" or label in row["bench"]):
                 lines.append(f"| {row['name']} | {size} | " + " | ".join(_timing_cells(row["bench"], label)) + " |")
     if report.get("chart"):
         lines += ["", f"![Decode time per token per variant]({report['chart']})", ""]

@@ -9,6 +9,10 @@ For ``--task text-generation`` it compiles the decoder's two programs (``prefill
 ``decode.aoti.pt2``) without their weights, which are written once in ``generation.aoti.weights.safetensors``
 and handed to both at load (``aoti_loader.load_package``'s ``weights`` and ``constants``): one copy of the
 weights on disk and on the device, not one per program (:func:`build_decoder`, :func:`load_decoder`).
+With ``generation.decode_batch_1`` a third package, ``decode1.aoti.pt2``, holds the decode program exported for a
+batch of exactly one row, compiled with Inductor's coordinate-descent tuning (:data:`BATCH_1_CONFIGS`): with
+the row count static, each product of one row by a weight becomes a reduction kernel whose block sizes are
+tuned to it, instead of a matrix-product call sized for any batch. It reads the same weights file.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch._inductor.config as inductor_config
@@ -169,6 +173,9 @@ def _load_graphed(spec: RunnerSpec) -> Loaded:
 
 
 DECODER_WEIGHTS = "generation.aoti.weights.safetensors"  # the weights of both decoder programs, once
+# the decode program of batch 1: Inductor tunes each kernel's block sizes by coordinate descent (Triton kernels;
+# on the CPU it changes nothing). docs/generation.md: "A decode program for one row"
+BATCH_1_CONFIGS = {"coordinate_descent_tuning": True}
 
 
 def shared_tensors(prefill: list[tuple[str, torch.Tensor]],
@@ -186,17 +193,22 @@ def shared_tensors(prefill: list[tuple[str, torch.Tensor]],
 
 
 def build_decoder(programs: DecoderPrograms, recipe: Recipe, files: tuple[Path, ...]) -> list[Path]:
-    """Both packages without their weights, the weights once beside them, and the loader."""
+    """Both packages without their weights (and the decode package of batch 1 where ``files`` names a third), the
+    weights once beside them, and the loader."""
     device = recipe.runtime.device
     staging = files[0].parent
-    tensors = shared_tensors(program_tensors(programs.prefill), program_tensors(programs.decode))
+    compiled = [programs.prefill, programs.decode] + ([programs.decode_one] if len(files) > 2 else [])
+    tensors = program_tensors(compiled[0])
+    for program in compiled[1:]:
+        tensors = shared_tensors(tensors, program_tensors(program))
     with contextlib.ExitStack() as stack:
         stack.enter_context(backend_context(recipe.runtime.attention_backend, device))
         if device != "cpu":
             stack.enter_context(inductor_config.patch({"cpp.vec_isa_ok": False}))
-        configs = {"aot_inductor.package_constants_in_so": False}
-        for program, path in zip((programs.prefill, programs.decode), files):
-            compile_package(program, path, configs, device, {"attention_backend": recipe.runtime.attention_backend})
+        configs: dict[str, Any] = {"aot_inductor.package_constants_in_so": False}
+        for index, (program, path) in enumerate(zip(compiled, files)):
+            own = {**configs, **BATCH_1_CONFIGS} if index == 2 else configs
+            compile_package(program, path, own, device, {"attention_backend": recipe.runtime.attention_backend})
     weights = staging / DECODER_WEIGHTS
     save_named_tensors(weights, tensors)
     loader = staging / LOADER
@@ -205,9 +217,14 @@ def build_decoder(programs: DecoderPrograms, recipe: Recipe, files: tuple[Path, 
 
 
 def load_decoder(files: tuple[Path, ...]) -> DecoderLoaded:
-    prefill_file, decode_file = files
+    prefill_file, decode_file = files[:2]
     weights = str(prefill_file.parent / DECODER_WEIGHTS)
     prefill = load_package(prefill_file, weights=weights)
-    decode = load_package(decode_file, weights=weights, constants=prefill.constants)
-    return DecoderLoaded(prefill, decode,
-                         lambda: load_package(decode_file, weights=weights, constants=prefill.constants))
+
+    def instance(path: Path) -> Callable[[], Any]:
+        return lambda: load_package(path, weights=weights, constants=prefill.constants)
+
+    one = files[2] if len(files) > 2 else None
+    return DecoderLoaded(prefill, instance(decode_file)(), instance(decode_file),
+                         decode_one=instance(one)() if one is not None else None,
+                         fresh_decode_one=instance(one) if one is not None else None)

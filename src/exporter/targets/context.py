@@ -76,6 +76,9 @@ class DecoderPrograms:
     # the ONNX programs' input and output names (prefill in, out, decode in, out); None: a decoder's
     # (``targets.onnx.input_names``/``output_names``)
     past_names: tuple[list[str], list[str], list[str], list[str]] | None = None
+    # the decode program again with the batch fixed at 1 (generation.decode_batch_1), for the targets that compile
+    # it apart (``Target.decoder_one``)
+    decode_one: Any = None
 
 
 def build(target: Target, ctx: BuildContext) -> list[Built]:
@@ -87,12 +90,14 @@ def build_decoder(target: Target, programs: DecoderPrograms, recipe: Recipe, sta
     """Write ``target``'s prefill and decode programs into ``staging``; the files written."""
     if not target.decoder:
         raise ValueError(f"target {target.name} builds no generation programs: {target.decoder_note}")
-    return target.implementation().build_decoder(programs, recipe, target.decoder_files(staging))
+    one = programs.decode_one is not None and bool(target.decoder_one)
+    return target.implementation().build_decoder(programs, recipe, target.decoder_files(staging, one=one))
 
 
 def decoder_attention(target: Target, programs: DecoderPrograms, staging: Path) -> dict[str, dict[str, int]]:
     """What each of the built programs runs its attention as: ``{"prefill": {"sdpa": n, "softmax": m}, ...}``."""
-    return target.implementation().decoder_attention(programs, target.decoder_files(staging))
+    one = programs.decode_one is not None and bool(target.decoder_one)
+    return target.implementation().decoder_attention(programs, target.decoder_files(staging, one=one))
 
 
 __all__ = ["BuildContext", "Built", "DecoderPrograms", "build", "build_decoder", "decoder_attention"]

@@ -141,4 +141,8 @@ def load_decoder(files: tuple[Path, ...]) -> DecoderLoaded:
 
 
 def decoder_attention(programs: DecoderPrograms, files: tuple[Path, ...]) -> dict[str, dict[str, int]]:
-    return {"prefill": program_attention(programs.prefill), "decode": program_attention(programs.decode)}
+    """What each program runs its attention as (the decode program of batch 1 too where ``files`` names it)."""
+    found = {"prefill": program_attention(programs.prefill), "decode": program_attention(programs.decode)}
+    if len(files) > 2 and programs.decode_one is not None:
+        found["decode_batch_1"] = program_attention(programs.decode_one)
+    return found

@@ -111,6 +111,9 @@ class DecoderLoaded:
     # a second instance of the decode program, for a CUDA graph to capture: an AOTInductor container whose run
     # was captured cannot run outside the graph again (its completion event was recorded in the capture)
     fresh_decode: Callable[[], Step] | None = None
+    # the decode program of batch 1 where the target built one (``Target.decoder_one``), and a fresh instance of it
+    decode_one: Step | None = None
+    fresh_decode_one: Callable[[], Step] | None = None
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,7 @@ class Target:
     loadable: bool = True
     decoder: tuple[str, ...] = ()  # the prefill and decode programs' files, for --task text-generation
     decoder_note: str = "not available for text-generation"  # why there are none, where ``decoder`` is empty
+    decoder_one: str = ""  # the file of its decode program of batch 1, where it builds one (generation.decode_batch_1)
     preload: bool = False  # its artifacts load with the compiler's libstdc++ preloaded where needed (toolchain)
     # copies of the weights it writes: into the output folder, into the temporary folder (a compile's cache, a
     # load's extraction), and into the output folder as a decoder's programs (environment.check_space reads them)
@@ -170,8 +174,12 @@ class Target:
             why = self.implementation().decoder_refusal(device, dtype)
         return why
 
-    def decoder_files(self, folder: Path) -> tuple[Path, ...]:
-        return tuple(folder / name for name in self.decoder)
+    def decoder_files(self, folder: Path, one: bool | None = None) -> tuple[Path, ...]:
+        """Its prefill and decode files in ``folder``, then its decode program of batch 1 where ``one`` (None: where
+        ``folder`` holds one)."""
+        if one is None:
+            one = bool(self.decoder_one) and (folder / self.decoder_one).is_file()
+        return tuple(folder / name for name in self.decoder) + ((folder / self.decoder_one,) if one else ())
 
     def decoder_built(self, folder: Path) -> bool:
         """Whether ``folder`` holds this target's prefill and decode programs."""
