@@ -183,3 +183,18 @@ def test_set_overrides_are_typed_like_the_recipe_file():
             apply_settings(base, (bad,))
     with pytest.raises(RecipeError, match="NAME=SIZE"):
         apply_settings(base, ("inputs.dims.batch=big",))
+
+
+def test_a_batch_1_decode_program_without_its_target_or_task_is_refused():
+    """generation.decode_batch_1 asks for a program the aoti target builds for --task text-generation: asked with
+    neither, it is refused by name, never silently dropped; a forward run ignores the generation section."""
+    from exporter.recipe import resolve_recipe
+
+    on = ("generation.decode_batch_1=true",)
+    with pytest.raises(RecipeError, match=r"generation.decode_batch_1: .*aoti target.*add --target aoti"):
+        resolve_recipe("cpu-fp32", targets=("exported_program",), settings=on, task="text-generation")
+    with pytest.raises(RecipeError, match=r"--task text2text-generation has none yet"):
+        resolve_recipe("cpu-fp32", targets=("aoti",), settings=on, task="text2text-generation")
+    built = resolve_recipe("cpu-fp32", targets=("aoti",), settings=on, task="text-generation")
+    assert built.generation.decode_batch_1
+    assert resolve_recipe("cpu-fp32", targets=("exported_program",), settings=on).generation.decode_batch_1

@@ -591,6 +591,7 @@ def check_combination(recipe: Recipe, source: str = "") -> None:
     """Settings of different sections that cannot hold together: refused, never one silently winning. Checked on
     the recipe a run uses (:func:`resolve_recipe`: after ``--set``, ``--target`` and ``--task``), so a command line
     can mend what the file alone would not allow."""
+    _check_decode_batch_1(recipe, source)
     q = recipe.quantize
     if not q.enabled:
         return
@@ -610,6 +611,21 @@ def check_combination(recipe: Recipe, source: str = "") -> None:
         # one compiled program against the eager model (docs/quantization.md)
         p.add("quantize.scheme", f"fp8 runs in a bfloat16 model, not {recipe.runtime.dtype} "
               "(set runtime.dtype = \"bfloat16\", e.g. --set runtime.dtype=bfloat16)")
+    p.raise_if_any()
+
+
+def _check_decode_batch_1(recipe: Recipe, source: str) -> None:
+    """``generation.decode_batch_1`` asks for a program only the aoti target builds, for a decoder's generation."""
+    if not recipe.generation.decode_batch_1 or recipe.model.task == "forward":
+        return
+    p = _Problems(source or recipe.source or recipe.name,
+                  "set generation.decode_batch_1 = false, or build what it needs (docs/generation.md)")
+    if recipe.model.task != "text-generation":
+        p.add("generation.decode_batch_1", f"the decode program of batch 1 is built for --task text-generation; "
+              f"--task {recipe.model.task} has none yet")
+    elif "aoti" not in recipe.targets.build:
+        p.add("generation.decode_batch_1", "the decode program of batch 1 is built by the aoti target, which the "
+              f"targets ({', '.join(recipe.targets.build) or 'none'}) leave out (add --target aoti)")
     p.raise_if_any()
 
 
