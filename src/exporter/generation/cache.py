@@ -25,6 +25,12 @@ object, calls ``past_key_values.update(key, value, layer_idx)`` once per attenti
 keys and values ``[B, kv_heads, q, head_dim]``, attends over the ``(keys, values)`` it returns, and returns
 the logits (a tensor, or an object with ``.logits``) ``[B, q, vocab]``. transformers 5.24 renamed the cache
 argument to ``cache``; either name is used, whichever ``forward`` declares.
+
+One exception, for transformers models only: a model whose forward cannot take a prepared 4-D mask because it
+builds more than the mask from the 2-D one (BLOOM makes its ALiBi biases from the padding mask's cumulative
+sum) gets ``padding_mask`` itself, the 2-D mask over every cache slot that transformers' own static-cache
+generation passes, and builds its causal mask with transformers' mask helpers over the ``Cache`` it is given
+(``CacheLayout.padding_mask_2d``, found by :func:`probe_layout`).
 """
 
 from __future__ import annotations
@@ -124,16 +130,17 @@ def step_positions(padding_mask: torch.Tensor, cache_position: torch.Tensor) -> 
 class DecoderStep(nn.Module):
     """One decoder forward over the caller's static cache; see the module's docstring."""
 
-    def __init__(self, model: nn.Module, uses_transformers_cache: bool):
+    def __init__(self, model: nn.Module, uses_transformers_cache: bool, padding_mask_2d: bool = False):
         super().__init__()
         self.model = model
         self.uses_transformers_cache = uses_transformers_cache
+        self.padding_mask_2d = padding_mask_2d  # pass padding_mask itself (CacheLayout.padding_mask_2d)
         self.cache_name = cache_argument(model)
         self.keep_last = keeps_last_logits(model)
 
     def forward(self, input_ids: torch.Tensor, padding_mask: torch.Tensor, cache_position: torch.Tensor,
                 kv: list[torch.Tensor]) -> torch.Tensor:
-        mask = step_mask(padding_mask, cache_position, kv[0].dtype)
+        mask = padding_mask if self.padding_mask_2d else step_mask(padding_mask, cache_position, kv[0].dtype)
         positions = step_positions(padding_mask, cache_position)
         cache = transformers_cache(kv, cache_position) if self.uses_transformers_cache else _Slots(kv, cache_position)
         extra: dict[str, Any] = {"logits_to_keep": 1} if self.keep_last else {}
@@ -150,6 +157,9 @@ class CacheLayout:
     key_dims: tuple[int, ...]
     value_dims: tuple[int, ...]
     vocab: int
+    # the model takes the 2-D padding mask, not a prepared 4-D one (a transformers model that builds more than its
+    # mask from it: BLOOM's ALiBi); DecoderStep(padding_mask_2d=...)
+    padding_mask_2d: bool = False
 
     @property
     def layers(self) -> int:
@@ -173,7 +183,8 @@ class CacheLayout:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "CacheLayout":
-        return cls(tuple(data["heads"]), tuple(data["key_dims"]), tuple(data["value_dims"]), int(data["vocab"]))
+        return cls(tuple(data["heads"]), tuple(data["key_dims"]), tuple(data["value_dims"]), int(data["vocab"]),
+                   bool(data.get("padding_mask_2d", False)))
 
 
 class _Recorder:
@@ -190,11 +201,15 @@ class _Recorder:
         return 0
 
 
-def probe_layout(model: nn.Module, uses_transformers_cache: bool, device: str | torch.device) -> CacheLayout:
-    """Run one two-token forward with a recording cache and read each layer's key/value shapes from it."""
+def _probe(model: nn.Module, uses_transformers_cache: bool, device: str | torch.device,
+           padding_mask_2d: bool) -> tuple[Any, Any]:
+    """One two-token forward with a recording cache: (its result, the cache)."""
     ids = torch.zeros(1, 2, dtype=torch.long, device=device)
-    mask = torch.zeros(1, 1, 2, 2, dtype=next(model.parameters()).dtype, device=device)
-    mask[..., 0, 1] = torch.finfo(mask.dtype).min
+    if padding_mask_2d:
+        mask = torch.ones(1, 2, dtype=torch.long, device=device)
+    else:
+        mask = torch.zeros(1, 1, 2, 2, dtype=next(model.parameters()).dtype, device=device)
+        mask[..., 0, 1] = torch.finfo(mask.dtype).min
     positions = torch.arange(2, device=device)[None]
     if uses_transformers_cache:
         from transformers.cache_utils import DynamicCache  # noqa: PLC0415 - transformers is optional
@@ -202,14 +217,33 @@ def probe_layout(model: nn.Module, uses_transformers_cache: bool, device: str | 
         recorder: Any = DynamicCache()
     else:
         recorder = _Recorder()
+    with torch.inference_mode():
+        result = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                       **{cache_argument(model): recorder}, use_cache=True)
+    return result, recorder
+
+
+def probe_layout(model: nn.Module, uses_transformers_cache: bool, device: str | torch.device) -> CacheLayout:
+    """Run one two-token forward with a recording cache and read each layer's key/value shapes from it. A
+    transformers model that cannot take the prepared 4-D mask is tried once more with the 2-D padding mask
+    (``CacheLayout.padding_mask_2d``)."""
+    padding_mask_2d = False
     try:
-        with torch.inference_mode():
-            result = model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                           **{cache_argument(model): recorder}, use_cache=True)
+        result, recorder = _probe(model, uses_transformers_cache, device, False)
     except Exception as exc:
-        raise ArchitectureError(f"the model cannot run one step with a KV cache ({describe(exc)})",
-                                "a --task text-generation model must follow the decoder contract in "
-                                "docs/generation.md") from None
+        first = exc
+        if not uses_transformers_cache:
+            result = None
+        else:
+            try:
+                result, recorder = _probe(model, True, device, True)
+                padding_mask_2d = True
+            except Exception:
+                result = None
+        if result is None:
+            raise ArchitectureError(f"the model cannot run one step with a KV cache ({describe(first)})",
+                                    "a --task text-generation model must follow the decoder contract in "
+                                    "docs/generation.md") from None
     logits = logits_of(result)
     if uses_transformers_cache:
         shapes = [(layer.keys.shape, layer.values.shape) for layer in recorder.layers if layer.keys is not None]
@@ -220,4 +254,4 @@ def probe_layout(model: nn.Module, uses_transformers_cache: bool, device: str | 
                                 "call past_key_values.update(key, value, layer_idx) in every attention layer "
                                 "(docs/generation.md)")
     return CacheLayout(tuple(int(k[1]) for k, _ in shapes), tuple(int(k[-1]) for k, _ in shapes),
-                       tuple(int(v[-1]) for _, v in shapes), int(logits.shape[-1]))
+                       tuple(int(v[-1]) for _, v in shapes), int(logits.shape[-1]), padding_mask_2d)

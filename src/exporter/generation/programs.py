@@ -70,7 +70,7 @@ def export_steps(step: DecoderStep, layout: CacheLayout, batch: int, prompt: int
         if one:
             _, single = _examples(layout, 1, prompt, cache_length, dtype, device)
             program = torch.export.export(step, single, strict=False)
-            exported.decode_one = program.run_decompositions(decomposition_table())
+            exported.decode_one = program.run_decompositions(decompositions(layout))
         if past:
             try:
                 both = _export_both(PastStep(step), layout, batch, prompt, cache_length, dtype, device)
@@ -85,6 +85,15 @@ def export_steps(step: DecoderStep, layout: CacheLayout, batch: int, prompt: int
                               "each (generation.fuse_projections)" if groups else
                               "no linears that read one input to fuse (generation.fuse_projections)")
     return exported
+
+
+def decompositions(layout: CacheLayout) -> dict:
+    """The decomposition table the programs are lowered with: core ATen with SDPA kept; none for a model that takes
+    the 2-D padding mask (``CacheLayout.padding_mask_2d``: BLOOM). Re-traced by ``run_decompositions`` with any
+    table, BLOOM's prefill gains a guard that the batch exceeds 1 (its ALiBi biases, shaped from the mask's batch,
+    are reshaped against the query's, and the re-trace no longer knows the two batches are one), and a program of
+    batch 1 then fails at run time; ``run_decompositions({})`` keeps the program as exported."""
+    return {} if layout.padding_mask_2d else decomposition_table()
 
 
 def _export_both(step: nn.Module, layout: CacheLayout, batch: int, prompt: int, cache_length: int,
@@ -115,5 +124,9 @@ def _export_both(step: nn.Module, layout: CacheLayout, batch: int, prompt: int, 
         decode = export(decode_args, hinted_decode)
         notes.append("exported with Dim.DYNAMIC hints of the batch and prompt ranges (a guard torch could not "
                      "prove over the named dims' ranges)")
-    table = decomposition_table()
+    table = decompositions(layout)
+    if not table:
+        notes.append("kept in ATen as exported, not decomposed to core ATen: the model takes the 2-D padding mask, "
+                     "and decomposing its programs re-traces them with a batch guard (batch > 1) that a batch of "
+                     "one row then fails")
     return DecoderPrograms(prefill.run_decompositions(table), decode.run_decompositions(table), 0.0, notes)

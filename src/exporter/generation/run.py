@@ -309,8 +309,8 @@ def convert_generation(checkpoint: Path, recipe: Recipe, staging: Path, allow_dr
     implementation = "sdpa" if recipe.runtime.rewrite_attention and refused is None else "eager"
     with attention_implementation(model, implementation):  # the rewrite: transformers' SDPA attention
         with progress.stage("rewrite attention"):
-            step = DecoderStep(model, transformers)
             layout = probe_layout(model, transformers, device)
+            step = DecoderStep(model, transformers, layout.padding_mask_2d)
             if refused is not None:
                 audit = eager_sites(model, refused)
             elif recipe.runtime.rewrite_attention:

@@ -5,8 +5,10 @@
 The request names the output folder (staged or final), the target, what to time and whether to time at all;
 the session loads the target's two programs, runs them teacher-forced on the reference's tokens (each step's
 logits judged against the stored bars), runs them on their own (greedy), times them, and writes the result.
-A target with a decode program of batch 1 is judged a second time with it: each prompt row alone, as the
-reference generated it (:func:`judge_rows_alone`); both verdicts must pass.
+Then it is judged a second time at batch 1, each prompt row alone, as the reference generated it
+(:func:`judge_rows_alone`): the batch a single prompt runs at, with the decode program of batch 1 where the
+target built one. Both verdicts must pass: a program can hold a guard or a specialisation that only a batch
+of one row meets (BLOOM's prefill once held a guard that the batch exceeds 1).
 ``exporter convert`` runs one per target (an AOTInductor package loads with the compiler's libstdc++ preloaded
 where that is needed: ``targets.toolchain``); ``exporter verify`` runs one without timing.
 """
@@ -79,9 +81,8 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         numerics = setup["numerics"]
         result["numerics"] = judge_steps(request["target"], ref_logits[:steps_to_judge], ref_tokens[:, :steps_to_judge],
                                          logits, free, numerics["bars"], numerics["k"], numerics["atol"])
-        if steps.decode_one is not None:
-            alone = judge_rows_alone(request["target"], steps, prompt, ref_tokens, ref_logits, steps_to_judge, numerics)
-            merge_batch_1(result["numerics"], alone)
+        alone = judge_rows_alone(request["target"], steps, prompt, ref_tokens, ref_logits, steps_to_judge, numerics)
+        merge_batch_1(result["numerics"], alone)
         if request.get("time"):
             timing = setup["timing"]
             result["bench"] = time_target(steps, prompt, timing)
@@ -90,8 +91,9 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
 
 def judge_rows_alone(target: str, steps, prompt: Prompt, ref_tokens: torch.Tensor, ref_logits: torch.Tensor,
                      count: int, numerics: dict[str, Any]) -> dict[str, Any]:
-    """The decode program of batch 1 judged: each prompt row alone and unpadded (as the reference generated it),
-    teacher-forced then free-running, the rows' logits stacked back into the batch and held to the same bars."""
+    """Batch 1 judged: each prompt row alone and unpadded (as the reference generated it), teacher-forced then
+    free-running (with the decode program of batch 1 where there is one), the rows' logits stacked back into the
+    batch and held to the same bars."""
     forced_rows: list[list[torch.Tensor]] = []
     free_rows: list[torch.Tensor] = []
     for row in range(prompt.input_ids.shape[0]):
@@ -106,7 +108,7 @@ def judge_rows_alone(target: str, steps, prompt: Prompt, ref_tokens: torch.Tenso
 
 
 def merge_batch_1(verdict: dict[str, Any], alone: dict[str, Any]) -> None:
-    """``alone`` (the decode program of batch 1) kept in ``verdict["batch_1"]``; the verdict passes if both do."""
+    """``alone`` (batch 1, each row alone) kept in ``verdict["batch_1"]``; the verdict passes if both do."""
     verdict["batch_1"] = alone
     ratios = [r for r in (verdict.get("worst_ratio"), alone.get("worst_ratio")) if isinstance(r, (int, float))]
     verdict["worst_ratio"] = max(ratios) if ratios else None

@@ -114,8 +114,8 @@ def _verdict(numerics: dict[str, Any] | None) -> str:
     tokens = "tokens identical" if numerics.get("tokens_identical") else \
         f"{len(numerics.get('token_differences') or [])} row(s) differ"
     alone = numerics.get("batch_1")
-    if alone:  # the decode program of batch 1, each row alone
-        tokens += "; batch-1 program " + ("passed" if alone.get("passed") else "FAILED") + (
+    if alone:  # batch 1: each row alone (with the decode program of batch 1 where built)
+        tokens += "; each row alone at batch 1 " + ("passed" if alone.get("passed") else "FAILED") + (
             ", tokens identical" if alone.get("tokens_identical") else
             f", {len(alone.get('token_differences') or [])} row(s) differ")
     return f"{mark} (worst {worst:.2f} of its bar; {tokens})" if isinstance(worst, float) else f"{mark} ({tokens})"
