@@ -176,3 +176,29 @@ def test_a_signal_discarded_in_a_finalizer_prints_no_traceback(capsys):
             _RaisesInFinalizer(signal.SIGTERM)
     assert "Traceback" not in capsys.readouterr().err
     assert sys.unraisablehook is hook  # restored
+
+
+def test_a_library_logging_the_stop_prints_nothing_until_the_block_ends(capsys):
+    """torch's fake tensors log the exception a stop raised inside a meta kernel, with its traceback (seen once in
+    the torch.export stage): from the signal to the end of the watched block no log record is printed; after it,
+    logging works again."""
+    import logging
+
+    log = logging.getLogger("tests.library")
+    log.addHandler(handler := logging.StreamHandler())
+    try:
+        with pytest.raises(Interrupted):
+            with interrupts.watch():
+                log.error("before the stop")
+                try:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    time.sleep(5)
+                except BaseException:
+                    log.exception("failed while attempting to run meta for aten.mm")  # what the library does
+                    raise
+        err = capsys.readouterr().err
+        assert "before the stop" in err and "failed while attempting" not in err and "Traceback" not in err
+        log.error("after the block")
+        assert "after the block" in capsys.readouterr().err
+    finally:
+        log.removeHandler(handler)

@@ -5,11 +5,17 @@ The handler records the signal and raises :class:`Stop` (a ``BaseException``, so
 ``__del__``, so raising is not enough: the recorded signal is checked again at every stage boundary,
 on every wait for a child process, in every benchmark round and right before an output folder is
 published (:func:`check`). Once a signal is recorded, nothing can publish until the next run.
+
+A stop prints one line. Python's logging is silenced from the signal to the end of the watched block: a library
+that logs the exception a stop raised inside it (torch's fake tensors log "failed while attempting to run meta"
+with a traceback when a signal lands in a meta kernel during ``torch.export``, the stop having reached them
+wrapped) would otherwise print a traceback after the user asked the run to stop.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import sys
 import threading
@@ -47,6 +53,7 @@ def _on_signal(signum, frame) -> None:
     if _received is not None:
         return
     _received = signum
+    logging.disable(logging.CRITICAL)  # until watch() ends: no library's log of the stop (module docstring)
     raise Stop(signum)
 
 
@@ -79,6 +86,8 @@ def watch() -> Iterator[None]:
     finally:
         _depth -= 1
         sys.unraisablehook = unraisable
+        if _received is not None:
+            logging.disable(logging.NOTSET)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 
