@@ -298,3 +298,19 @@ def test_failing_to_trace_again_falls_back_to_the_unrewritten_model(monkeypatch)
     sample = [zoo.inputs()[0].double(), zoo.inputs()[1]]
     with torch.inference_mode():
         assert torch.equal(model(*sample)[0], module(*sample)[0])
+
+
+def test_a_mask_expanded_over_folded_heads_is_broadcast_not_copied():
+    """baddbmm(mask.expand(b, h, 1, s).reshape(b·h, 1, s), q, kᵀ) on heads folded into the batch: SDPA runs on
+    (batch, heads) with the mask as it was before the expansion, (batch, 1, q, k), broadcast over the heads; before,
+    it ran on (1, batch·heads) with the mask built once per head, (1, batch·heads, q, k)."""
+    _, _, module, audit = rewritten("baddbmm_mask")
+    program = zoo.export_named(module, zoo.inputs(3, 17, seed=1))
+    sdpa = [n for n in program.graph.nodes if "scaled_dot_product" in str(n.target)]
+    assert len(sdpa) == zoo.LAYERS
+    for node in sdpa:
+        q = node.args[0].meta["val"]
+        mask = node.args[3] if len(node.args) > 3 else node.kwargs["attn_mask"]
+        assert tuple(q.shape)[:2] == (3, zoo.HEADS), q.shape
+        assert tuple(mask.meta["val"].shape)[:2] == (3, 1), mask.meta["val"].shape
+    assert all("heads unfolded (4): mask broadcast" in s.pattern for s in audit.sites), [s.pattern for s in audit.sites]

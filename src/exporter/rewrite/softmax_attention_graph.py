@@ -25,7 +25,11 @@ can change the result. Masks keep their exact meaning: additive terms are summed
 ones combined; a mask becomes ``is_causal=True`` only when it depends on sizes and constants
 alone and equals ``tril(ones(n, n))`` at several lengths. Grouped-query repeats of k and v
 (``repeat_interleave`` or ``expand``+``reshape``, the transformers ``repeat_kv``) become
-``enable_gqa=True`` on the un-repeated tensors. 3-D (``bmm``) inputs get a leading dim of 1. Where
+``enable_gqa=True`` on the un-repeated tensors. 3-D (``bmm``) inputs get a leading dim of 1, except where a
+mask was made per head by expanding one mask over the heads and folding them into the batch
+(``mask[:, None].expand(b, h, …).reshape(b·h, …)``, nn.MultiheadAttention's spelling): there SDPA runs on
+(batch, heads) with q, k and v unflattened and the mask before its expansion, broadcast over the heads, so no
+copy of it per head is built (:func:`_unfold_heads`). Where
 layout steps were seen through, SDPA runs in the layout with the most leading dims (batch, heads):
 q, k and v flattened over them are unflattened (the dims after the first must be static), and the
 output is flattened back to the layout the product with v had. A view that changes the last two dims
@@ -425,9 +429,64 @@ def _layout(found: Found) -> None:
         found.out_flatten = len(target)
 
 
+FOLDS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+
+def _heads_broadcast(node: Any) -> tuple[fx.Node, int] | None:
+    """(x, heads) where ``node`` (batch·heads, q, k) is ``x`` (batch, 1, q, k) expanded over ``heads`` heads and
+    folded into the batch (through a contiguous copy): one mask, copied once per head. Else None."""
+    if not isinstance(node, fx.Node) or node.target not in FOLDS:
+        return None
+    source = node.args[0]
+    while isinstance(source, fx.Node) and source.target in IDENTITIES:
+        source = source.args[0]
+    if not isinstance(source, fx.Node) or source.target != aten.expand.default:
+        return None
+    base = source.args[0]
+    folded, expanded, original = shape(node), shape(source), shape(base)
+    if folded is None or expanded is None or original is None or len(folded) != 3 or len(expanded) != 4 \
+            or len(original) != 4:
+        return None
+    heads = static_int(expanded[1])
+    if heads is None or heads < 2 or static_int(original[1]) != 1 or text(expanded[-2:]) != text(folded[-2:]) \
+            or text((expanded[0] * heads,)) != text(folded[:1]) or text(original[:1]) != text(expanded[:1]):
+        return None
+    return base, heads
+
+
+def _unfold_heads(found: Found) -> None:
+    """3-D q, k, v (batch·heads, s, d) with a mask made per head (:func:`_heads_broadcast`): SDPA on (batch, heads),
+    q, k and v unflattened (views), the mask before its expansion (broadcast over the heads), the output
+    flattened back. Without it SDPA ran on (1, batch·heads) and the mask was built at (1, batch·heads, q, k)."""
+    operands = (found.q, found.k, found.v)
+    if any(len(o.dims) != 3 or o.perm is not None or o.unflatten is not None for o in operands):
+        return
+    broadcasts = [_heads_broadcast(t.node) for t in found.terms]
+    heads = {b[1] for b in broadcasts if b is not None}
+    if len(heads) != 1:
+        return
+    count = heads.pop()
+    batch = shape(next(b[0] for b in broadcasts if b is not None))[0]
+    for term, broadcast in zip(found.terms, broadcasts):
+        dims = shape(term.node) or ()
+        if broadcast is not None:
+            term.node = broadcast[0]
+        elif len(dims) == 3 and text(dims[:1]) == text(found.q.dims[:1]):
+            term.unflatten = [-1, count]  # a mask of its own per head: (batch·heads, q, k) -> (batch, heads, q, k)
+        elif len(dims) > 2 and not all(static_int(d) == 1 for d in dims[:-2]):
+            raise Skip(f"a mask laid out {list(dims)} on scores with heads folded into the batch")
+    for operand in operands:
+        operand.unflatten = [-1, count]
+        operand.dims = (batch, count, *operand.dims[-2:])
+    found.out_flatten = 2
+    found.ops.append(f"heads unfolded ({count}): mask broadcast")
+
+
 def _check(found: Found, facts: Program, example: list[torch.Tensor]) -> None:
     if found.layout_steps:
         _layout(found)
+    else:
+        _unfold_heads(found)
     q, k, v = found.q.dims, found.k.dims, found.v.dims
     if not (len(q) == len(k) == len(v)) or not 2 <= len(q) <= 4:
         raise Skip(f"q, k, v of ranks {len(q)}, {len(k)}, {len(v)} (SDPA needs equal ranks of 2 to 4)")
