@@ -33,8 +33,7 @@ import time
 import traceback
 
 import torch
-import transformers
-from gpu_fp8_layer import peer
+from gpu_fp8_layer import llama8b_layer, peer
 from gpu_fp8_layer import timed as layer_timed
 
 from exporter.quantize import fp8 as fp8_module
@@ -46,18 +45,6 @@ WEIGHT_BYTES_BF16 = 2 * (4096 * 4096 * 2 + 4096 * 1024 * 2 + 4096 * 14336 * 3)
 def timed(fn, iters=200):
     """gpu_fp8_layer's CUDA-graph timing, at more replays: a decode layer takes a tenth of a millisecond."""
     return layer_timed(fn, iters=iters)
-
-
-def build():
-    config = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=4096, intermediate_size=14336,
-                                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                                      max_position_embeddings=8192, rope_theta=500000.0)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        layer = transformers.models.llama.modeling_llama.LlamaDecoderLayer(config, 0).to(torch.bfloat16).eval()
-        rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(config)
-    return layer, rotary
 
 
 def form(layer, name):
@@ -132,7 +119,7 @@ def main(path):
         result["peer"] = {"error": repr(exc)}
     print("torchao peer", result["peer"], flush=True)
     patch_forms()
-    layer, rotary = build()
+    layer, rotary = llama8b_layer()
     plan = [
         ("bf16", 1, "default", True), ("fp8-rowwise", 1, "default", True), ("wo-dequant", 1, "default", True),
         ("wo-cast", 1, "default", True), ("bf16", 8, "default", True),

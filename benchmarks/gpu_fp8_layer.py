@@ -83,7 +83,8 @@ def ceilings() -> dict:
     return {"bf16_tflops": flops / bf / 1e9, "fp8_tflops": flops / f8 / 1e9}
 
 
-def layers(result: dict) -> None:
+def llama8b_layer():
+    """One decoder layer of the Llama-3.1-8B shape (bf16, SDPA, seeded) and its rotary embedding, on the GPU."""
     config = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=4096, intermediate_size=14336,
                                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                                       max_position_embeddings=8192, rope_theta=500000.0)
@@ -92,7 +93,12 @@ def layers(result: dict) -> None:
     with torch.device("cuda"):
         layer = transformers.models.llama.modeling_llama.LlamaDecoderLayer(config, 0).to(torch.bfloat16).eval()
         rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(config)
-        head = torch.nn.Linear(4096, 128256, bias=False, dtype=torch.bfloat16)
+    return layer, rotary
+
+
+def layers(result: dict) -> None:
+    layer, rotary = llama8b_layer()
+    head = torch.nn.Linear(4096, 128256, bias=False, dtype=torch.bfloat16, device="cuda")
     for name, (batch, seq) in {"prefill_8x2048": (8, 2048), "decode_1x1": (1, 1)}.items():
         x = torch.randn(batch, seq, 4096, device="cuda", dtype=torch.bfloat16)
         pos = torch.arange(seq, device="cuda")[None].expand(batch, seq)

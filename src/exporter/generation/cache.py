@@ -227,23 +227,22 @@ def probe_layout(model: nn.Module, uses_transformers_cache: bool, device: str | 
     """Run one two-token forward with a recording cache and read each layer's key/value shapes from it. A
     transformers model that cannot take the prepared 4-D mask is tried once more with the 2-D padding mask
     (``CacheLayout.padding_mask_2d``)."""
+    def refused(exc: Exception) -> ArchitectureError:
+        return ArchitectureError(f"the model cannot run one step with a KV cache ({describe(exc)})",
+                                 "a --task text-generation model must follow the decoder contract in "
+                                 "docs/generation.md")
+
     padding_mask_2d = False
     try:
         result, recorder = _probe(model, uses_transformers_cache, device, False)
     except Exception as exc:
-        first = exc
         if not uses_transformers_cache:
-            result = None
-        else:
-            try:
-                result, recorder = _probe(model, True, device, True)
-                padding_mask_2d = True
-            except Exception:
-                result = None
-        if result is None:
-            raise ArchitectureError(f"the model cannot run one step with a KV cache ({describe(first)})",
-                                    "a --task text-generation model must follow the decoder contract in "
-                                    "docs/generation.md") from None
+            raise refused(exc) from None
+        try:
+            result, recorder = _probe(model, True, device, True)
+        except Exception:
+            raise refused(exc) from None
+        padding_mask_2d = True
     logits = logits_of(result)
     if uses_transformers_cache:
         shapes = [(layer.keys.shape, layer.values.shape) for layer in recorder.layers if layer.keys is not None]

@@ -90,14 +90,18 @@ def build_decoder(target: Target, programs: DecoderPrograms, recipe: Recipe, sta
     """Write ``target``'s prefill and decode programs into ``staging``; the files written."""
     if not target.decoder:
         raise ValueError(f"target {target.name} builds no generation programs: {target.decoder_note}")
-    one = programs.decode_one is not None and bool(target.decoder_one)
-    return target.implementation().build_decoder(programs, recipe, target.decoder_files(staging, one=one))
+    return target.implementation().build_decoder(programs, recipe, _files(target, programs, staging))
 
 
 def decoder_attention(target: Target, programs: DecoderPrograms, staging: Path) -> dict[str, dict[str, int]]:
     """What each of the built programs runs its attention as: ``{"prefill": {"sdpa": n, "softmax": m}, ...}``."""
-    one = programs.decode_one is not None and bool(target.decoder_one)
-    return target.implementation().decoder_attention(programs, target.decoder_files(staging, one=one))
+    return target.implementation().decoder_attention(programs, _files(target, programs, staging))
+
+
+def _files(target: Target, programs: DecoderPrograms, staging: Path) -> tuple[Path, ...]:
+    """``target``'s decoder files in ``staging``, its decode program of batch 1 too where both it and ``programs``
+    have one."""
+    return target.decoder_files(staging, one=programs.decode_one is not None and bool(target.decoder_one))
 
 
 __all__ = ["BuildContext", "Built", "DecoderPrograms", "build", "build_decoder", "decoder_attention"]
