@@ -6,6 +6,8 @@
 #   bash benchmarks/gpu_generation.sh [CONVERT OPTIONS...]   # one 10-minute call; options go to exporter convert
 #   SHAPE=llama8b LAYERS=2 RECIPE=h100-fp8 bash benchmarks/gpu_generation.sh   # fp8, a slice of the 8B shape
 #   TARGETS="aoti" ... bash benchmarks/gpu_generation.sh   # the targets built (default: exported_program aoti)
+#   SHAPE=qwen05b: the Qwen2-0.5B shape (24 layers, hidden 896, 14/2 heads, tied 152k head)
+#   CHECKS=0: skip `exporter verify` and `exporter generate` (two runs in one call)
 # $OUT/summary.md: the report's tables; $OUT/generation.tar.gz: report.md, report.json and the logs.
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -20,15 +22,23 @@ echo "shape: $SHAPE${LAYERS:+, $LAYERS layers}; recipe: $RECIPE" | tee -a "$OUT/
 python3 - "$work/$SHAPE" "$SHAPE" "${LAYERS:-0}" <<'PY'
 import sys, torch, transformers
 torch.manual_seed(0)
-shape = {"llama1b": dict(num_hidden_layers=16, hidden_size=2048, intermediate_size=8192, tie_word_embeddings=True),
-         "llama8b": dict(num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, tie_word_embeddings=False)}
+llama = dict(num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
+             rope_theta=500000.0)
+shape = {"llama1b": dict(num_hidden_layers=16, hidden_size=2048, intermediate_size=8192, tie_word_embeddings=True,
+                         **llama),
+         "llama8b": dict(num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, tie_word_embeddings=False,
+                         **llama),
+         "qwen05b": dict(num_hidden_layers=24, hidden_size=896, intermediate_size=4864, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
+                         rope_theta=1000000.0, tie_word_embeddings=True)}
 sizes = shape[sys.argv[2]]
 if int(sys.argv[3]):
     sizes["num_hidden_layers"] = int(sys.argv[3])
-config = transformers.LlamaConfig(**sizes, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                                  max_position_embeddings=131072, rope_theta=500000.0, torch_dtype="bfloat16")
+config_class, model_class = ((transformers.Qwen2Config, transformers.Qwen2ForCausalLM) if sys.argv[2].startswith("qwen")
+                             else (transformers.LlamaConfig, transformers.LlamaForCausalLM))
+config = config_class(**sizes, torch_dtype="bfloat16")
 with torch.device("cuda"):
-    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    model = model_class(config).to(torch.bfloat16)
 model.save_pretrained(sys.argv[1])
 PY
 echo "checkpoint written in $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.md"
@@ -38,6 +48,10 @@ timeout "${LIMIT:-480}" python3 -m exporter convert "$work/$SHAPE" --recipe "$RE
 echo "## convert: exit code $? in $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.md"
 cat "$work/gen/report.md" >> "$OUT/summary.md" 2>/dev/null || tail -30 "$work/stderr.txt" | tee -a "$OUT/summary.md"
 grep -v "Writing model" "$work/stderr.txt" | tail -25
+if [ "${CHECKS:-1}" = 0 ]; then
+  tar czf "$OUT/generation.tar.gz" -C "$work" stdout.txt stderr.txt gen/report.md gen/report.json gen/logs 2>/dev/null
+  exit 0
+fi
 # the folder re-checked in a fresh process, and a generation from the AOTI programs by the CLI
 start=$(date +%s)
 python3 -m exporter verify "$work/gen" > "$work/verify.txt" 2>&1

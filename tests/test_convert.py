@@ -332,6 +332,35 @@ def test_attention_behind_views_is_rewritten_end_to_end(tmp_path, monkeypatch):
     assert all(a["numerics"]["grid"]["passed"] for a in report["artifacts"])
 
 
+def test_four_spellings_of_attention_in_one_model_are_all_rewritten(tmp_path):
+    """The hand-written GPT with --layout mixed: its four blocks write attention four ways (matmul on heads, bmm
+    behind views, baddbmm with a mask expanded over the heads and folded with them, einsum with an arange causal
+    mask). Every site is rewritten, the program runs no softmax, and it passes the gate over the shape grid."""
+    from safetensors.torch import save_model
+
+    from exporter.testing import handwritten_gpt
+
+    config = {**handwritten_gpt.SIZES["tiny"], "layers": 4, "layout": "mixed"}
+    (tmp_path / "gpt").mkdir()
+    save_model(handwritten_gpt.build(config).eval(), str(tmp_path / "gpt" / "model.safetensors"))
+    (tmp_path / "gpt" / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    result = exporter.convert(tmp_path / "gpt", "cpu-fp32", tmp_path / "out",
+                              model="exporter.testing.handwritten_gpt:build", targets=("exported_program",),
+                              dims=("batch=2:1:4", "sequence=32:2:128"),
+                              tensors=("input_ids:int64:batch,sequence:0:256", "attention_mask:int64:batch,sequence"))
+    report = result.report
+    assert result.exit_code == 0, report["problems"]
+    assert (report["attention"]["found"], report["attention"]["rewritten"]) == (4, 4)
+    sites = report["attention"]["sites"]
+    assert all(s["masked"] for s in sites) and [s["causal"] for s in sites] == [True, True, False, True]
+    # the baddbmm block sums causal and padding into one mask (data, so not causal), expanded over the heads:
+    # SDPA takes it at its broadcast shape, not one copy per head
+    assert sites[2]["pattern"].startswith("baddbmm") and "mask broadcast" in sites[2]["pattern"]
+    kernels = report["artifacts"][0]["info"]["kernels"]
+    assert kernels["softmax_kernels"] == 0 and sum(kernels["backends"].values()) == 4
+    assert report["artifacts"][0]["numerics"]["grid"]["passed"]
+
+
 def test_target_option_checks_names():
     from exporter.api import resolve_recipe
     from exporter.errors import RecipeError

@@ -1,6 +1,6 @@
 """A GPT-style decoder whose attention is written out by hand, the way model code outside libraries spells it.
 
-    python -m exporter.testing.handwritten_gpt OUT_DIR [--size tiny|small|base] [--layout heads|flattened]
+    python -m exporter.testing.handwritten_gpt OUT_DIR [--size tiny|small|base] [--layout heads|flattened|mixed]
                                                                           # model.safetensors + config.json
 
 Then convert it with the factory:
@@ -16,6 +16,13 @@ Nothing in it calls ``scaled_dot_product_attention``: every site must be found i
 ``--layout flattened`` spells the same attention with the heads folded into the batch: ``torch.bmm`` on
 ``(batch·heads, s, d)``, ``.view(batch, heads, s, s)`` for the causal and padding masks, the softmax,
 ``.view(batch·heads, s, s)`` again and ``torch.bmm`` with v: layout steps on both sides of the softmax.
+
+``--layout mixed`` writes the attention four ways, block ``i`` taking spelling ``i % 4``: ``heads``,
+``flattened``, ``baddbmm`` (heads folded into the batch, causal and padding masks summed into one additive mask
+that is expanded over the heads and folded with them, ``torch.baddbmm(mask, q, kᵀ, alpha=1/√d)``) and
+``einsum`` (``torch.einsum`` on (batch, heads, s, d), the causal mask compared from ``arange`` positions,
+``torch.where`` with a finite fill). It is the model a team migrating several code bases ships: every site must
+be found, and no artifact may be slower than the rewritten model (issue: masks built per head).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+SPELLINGS = ("heads", "flattened", "baddbmm", "einsum")  # --layout mixed: block i is written SPELLINGS[i % 4]
 SIZES = {  # d_model, heads, layers, vocab, max positions
     "tiny": {"d_model": 64, "heads": 4, "layers": 2, "vocab": 256, "positions": 256},
     "small": {"d_model": 512, "heads": 8, "layers": 4, "vocab": 8192, "positions": 4096},
@@ -48,8 +56,9 @@ class CausalSelfAttention(nn.Module):
         b, s, d = x.shape
         q, k, v = self.qkv(x).split(d, dim=-1)
         q, k, v = (t.view(b, s, self.heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        if self.layout == "flattened":
-            return self.out(self.flattened(q, k, v, padding).transpose(1, 2).reshape(b, s, d))
+        if self.layout in ("flattened", "baddbmm", "einsum"):
+            y = getattr(self, self.layout)(q, k, v, padding)
+            return self.out(y.transpose(1, 2).reshape(b, s, d))
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
         tril: torch.Tensor = self.tril  # type: ignore[assignment]  # a registered buffer
         scores = scores.masked_fill(~tril[:s, :s], float("-inf"))
@@ -66,6 +75,22 @@ class CausalSelfAttention(nn.Module):
         scores = scores.view(b, h, s, s).masked_fill(~self.tril[:s, :s], float("-inf")) + padding
         weights = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(b * h, s, s)
         return torch.bmm(self.dropout(weights), v3).view(b, h, s, d)
+
+    def baddbmm(self, q, k, v, padding):
+        b, h, s, d = q.shape
+        q3, k3, v3 = (t.reshape(b * h, s, d) for t in (q, k, v))
+        causal = torch.zeros(s, s, dtype=q.dtype, device=q.device).masked_fill(~self.tril[:s, :s], float("-inf"))
+        mask = (causal + padding).expand(b, h, s, s).reshape(b * h, s, s)
+        weights = torch.baddbmm(mask, q3, k3.transpose(1, 2), alpha=1.0 / math.sqrt(d)).softmax(dim=-1)
+        return torch.bmm(self.dropout(weights), v3).view(b, h, s, d)
+
+    def einsum(self, q, k, v, padding):
+        s, d = q.shape[2], q.shape[3]
+        positions = torch.arange(s, device=q.device)
+        scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * d ** -0.5
+        scores = torch.where(positions[None, :] <= positions[:, None], scores, torch.finfo(q.dtype).min) + padding
+        weights = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.einsum("bhqk,bhkd->bhqd", self.dropout(weights), v)
 
 
 class Block(nn.Module):
@@ -85,7 +110,8 @@ class HandwrittenGPT(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(vocab, d_model)
         self.position = nn.Embedding(positions, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, heads, positions, layout) for _ in range(layers))
+        layouts = [SPELLINGS[i % len(SPELLINGS)] if layout == "mixed" else layout for i in range(layers)]
+        self.blocks = nn.ModuleList(Block(d_model, heads, positions, layouts[i]) for i in range(layers))
         self.ln = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab, bias=False)
 
@@ -111,7 +137,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
     parser.add_argument("--size", default="small", choices=sorted(SIZES))
-    parser.add_argument("--layout", default="heads", choices=["heads", "flattened"])
+    parser.add_argument("--layout", default="heads", choices=[*SPELLINGS[:2], "mixed"])
     args = parser.parse_args()
     from safetensors.torch import save_model
 
