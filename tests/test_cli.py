@@ -142,6 +142,10 @@ def test_help_imports_no_torch_or_backends():
     (["--input", "tokens:int64"], "is not NAME:DTYPE:SHAPE"),
     (["--target", "aot"], "did you mean 'aoti'"),
     (["--target", "aoti", "--set", "targets.build=onnx"], "both choose the targets"),
+    (["--recipe", "cpu-fp32", "--recipe", "h100-bf16"], "--recipe is given twice"),
+    (["--out", "a", "--out=b"], "--out is given twice"),
+    (["--set", "numerics.k=2", "--set", "numerics.k=3"], "--set numerics.k is given twice"),
+    (["--dim", "batch=2", "--dim", "batch=3"], "--dim batch is given twice"),
 ])
 def test_a_mistake_in_an_option_is_told_before_torch_loads(extra, fragment, tiny_models, tmp_path):
     """Every small grammar is checked by the command line itself: the mistake, its fix, and no torch import
@@ -153,6 +157,28 @@ def test_a_mistake_in_an_option_is_told_before_torch_loads(extra, fragment, tiny
                           capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert "EXIT 2" in done.stdout and "TORCH False" in done.stdout, done.stdout + done.stderr
     assert fragment in done.stderr and done.stderr.count("error:") == 1
+
+
+def test_an_option_given_twice_is_refused_only_where_the_two_differ():
+    """Click keeps the last of two values silently; exporter refuses two different values of one option and
+    lets a repeat of the same value, and the repeatable options, through."""
+    import click
+
+    from exporter.cli import repeated_options
+
+    command = cli.commands["convert"]
+    ctx = click.Context(command)
+
+    def problem(*args):
+        return repeated_options(command, ctx, ["ckpt", *args])
+
+    assert problem("--recipe", "cpu-fp32", "-r", "cpu-fp32") is None
+    assert problem("--recipe=cpu-fp32", "--recipe", "cpu-fp32", "-t", "aoti", "-t", "onnx") is None
+    assert problem("-q", "-q") is None
+    assert "--recipe is given twice (--recipe 'cpu-fp32' and -r 'h100-bf16')" in problem(
+        "--recipe", "cpu-fp32", "-r", "h100-bf16")
+    assert problem("--", "--recipe", "a", "--recipe", "b") is None  # after "--": arguments, not options
+    assert problem("--set", "--recipe", "--recipe", "x") is None  # "--recipe" as --set's value, then once
 
 
 def test_generate_names_the_target_it_could_mean(tmp_path):

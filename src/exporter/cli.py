@@ -71,6 +71,57 @@ class TargetName(click.ParamType):
         return "[" + "|".join(TARGET_NAMES) + "]"
 
 
+def repeated_options(command: click.Command, ctx: click.Context, args: list[str]) -> str | None:
+    """The first single-valued option of ``command`` that ``args`` give twice with different values (a flag and
+    its ``--no-`` form count as two values), described for the error; ``None`` when there is none. Click keeps
+    the last value silently: a script that appends ``--recipe`` to a line that has one already would run
+    another recipe than the one it reads first."""
+    spellings: dict[str, click.Option] = {}
+    for param in command.get_params(ctx):
+        if isinstance(param, click.Option) and not (param.multiple or param.count or param.is_eager):
+            for spelling in (*param.opts, *param.secondary_opts):
+                spellings[spelling] = param
+    seen: dict[str, tuple[str, str]] = {}
+    tokens = iter(args)
+    for token in tokens:
+        if token == "--":
+            break
+        name, eq, inline = token.partition("=") if token.startswith("--") else (token, "", "")
+        option = spellings.get(name)
+        if option is None:
+            continue
+        if option.is_flag:
+            value = name
+        elif eq:
+            value = inline
+        else:
+            value = next(tokens, "")
+        assert option.name is not None
+        first = seen.setdefault(option.name, (name, value))
+        if first[1] != value:
+            return (f"{option.opts[0]} is given twice ({first[0]} {first[1]!r} and {name} {value!r}), and only one "
+                    f"can hold; give it once" if not option.is_flag else
+                    f"{first[0]} and {name} are both given, and only one can hold; give one of them")
+    return None
+
+
+class OnceCommand(click.Command):
+    """A command whose single-valued options may be given once (or repeated with the same value)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        problem = repeated_options(self, ctx, list(args))
+        if problem:
+            raise click.UsageError(problem, ctx=ctx)
+        return super().parse_args(ctx, args)
+
+
+class OnceGroup(click.Group):
+    """Every command under it an ``OnceCommand`` (subgroups included)."""
+
+    command_class = OnceCommand
+    group_class = type
+
+
 def checked(checkpoint, recipe, factory, dims, tensors, rewrite, targets, settings, task, inputs_file=None,
             combination=True):
     """Everything the command line can check without torch: the recipe with every option applied, the
@@ -86,7 +137,8 @@ def checked(checkpoint, recipe, factory, dims, tensors, rewrite, targets, settin
     return resolved
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog="\b\n" + exit_codes_help("convert"))
+@click.group(cls=OnceGroup, context_settings={"help_option_names": ["-h", "--help"]},
+             epilog="\b\n" + exit_codes_help("convert"))
 @click.version_option(package_name="exporter", prog_name="exporter")
 def cli() -> None:
     """Turn a trained checkpoint into validated, faster deployable artifacts."""

@@ -237,8 +237,15 @@ class Recipe:
             return self
         data: dict[str, Any] = {"dims": {d.name: {"size": d.size, "min": d.min, "max": d.max}
                                          for d in self.inputs.dims}}
+        given: dict[str, str] = {}
         for text in dims:
-            data["dims"].update(_parse_dim_option(text))
+            parsed_dim = _parse_dim_option(text)
+            name = next(iter(parsed_dim))
+            before = given.setdefault(name, text)
+            if parsed_dim[name] != _parse_dim_option(before)[name]:  # neither may silently win
+                raise RecipeError(f"--dim {name} is given twice ({before!r} and {text!r})",
+                                  f"give --dim {name}=... once")
+            data["dims"].update(parsed_dim)
         declared = [_parse_input_option(t) for t in tensors] if tensors else [
             {"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "low": t.low, "high": t.high}
             for t in self.inputs.tensors]
@@ -747,11 +754,16 @@ def apply_settings(recipe: Recipe, settings: tuple[str, ...]) -> Recipe:
         return recipe
     table = _as_table(json.loads(json.dumps(recipe.to_dict())))  # the shape recipe.json has: lists, not tuples
     hint = "write --set section.key=value, e.g. --set numerics.atol=1e-6 (docs/recipes.md lists every key)"
+    given: dict[tuple[str, str], str] = {}
     for text in settings:
         match = _SETTING.match(text)
         if not match:
             raise RecipeError(f"--set {text!r} is not section.key=value", hint)
         section, key, value = match.groups()
+        before = given.setdefault((section, key), value)
+        if before.strip() != value.strip():  # neither may silently win
+            raise RecipeError(f"--set {section}.{key} is given twice ({before!r} and {value!r})",
+                              f"give --set {section}.{key}=... once")
         if section not in table:
             table[section] = {}
         if not isinstance(table[section], dict):

@@ -403,6 +403,20 @@ def _(tmp, a):
                 "numerics.atl: unknown key (did you mean 'atol'?)")
 
 
+@case("recipe and inputs", "one option given twice with two values")
+def _(tmp, a):
+    return Case("one option given twice with two values", "recipe and inputs",
+                ["convert", str(a.gpt2), "--recipe", "cpu-fp32", "--out", str(tmp / "out"), "--recipe", "h100-bf16"],
+                2, "--recipe is given twice (--recipe 'cpu-fp32' and --recipe 'h100-bf16')")
+
+
+@case("recipe and inputs", "one --set key given twice with two values")
+def _(tmp, a):
+    return Case("one --set key given twice with two values", "recipe and inputs",
+                ["convert", str(a.gpt2), "--set", "numerics.k=2", "--set", "numerics.k=4", "--out", str(tmp / "out")],
+                2, "--set numerics.k is given twice ('2' and '4')")
+
+
 @case("recipe and inputs", "unknown --target")
 def _(tmp, a):
     return Case("unknown --target", "recipe and inputs",
