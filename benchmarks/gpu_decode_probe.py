@@ -1,6 +1,8 @@
 """On the GPU machine: where the AOTI decode step of a 1B decoder spends its time, and what Inductor options buy.
 
     PYTHONPATH=src python3 benchmarks/gpu_decode_probe.py [--budget-s 420] [--only 1,2,3] [--no-eager] [--blaslt]
+    PYTHONPATH=src python3 benchmarks/gpu_decode_probe.py --shape llama8b --layers 2 --only 8 --fp8 --no-eager
+        # the program of batch 1 as generation.decode_batch_1 builds it, bf16 then fp8 weight-only (one call)
 
 (one 10-minute call builds about four variants; docs/runs/h100-bf16-decode-probe-fused.md took two.)
 Builds the Llama-3.2-1B-shaped decoder of benchmarks/gpu_generation.sh (random weights, bf16, SDPA), exports its
@@ -36,14 +38,20 @@ def reexec_with_preload() -> None:
         os.execv(sys.executable, [sys.executable, *sys.argv])
 
 
-def build_model():
+SHAPES = {"llama1b": dict(num_hidden_layers=16, hidden_size=2048, intermediate_size=8192, tie_word_embeddings=True),
+          "llama8b": dict(num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, tie_word_embeddings=False)}
+
+
+def build_model(shape: str = "llama1b", layers: int = 0, device: str = "cuda"):
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(num_hidden_layers=16, hidden_size=2048, intermediate_size=8192,
-                                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                                      max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=True)
-    with torch.device("cuda"):
+    sizes = dict(SHAPES[shape])
+    if layers:
+        sizes["num_hidden_layers"] = layers
+    config = transformers.LlamaConfig(**sizes, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                      max_position_embeddings=131072, rope_theta=500000.0)
+    with torch.device(device):
         model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
     model.set_attn_implementation("sdpa")
     return model
@@ -61,7 +69,7 @@ def profile_step(call, steps: int = 10) -> dict:
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     kernels = sum(e.count for e in events) / steps
-    top = sorted(events, key=lambda e: -e.device_time_total)[:10]
+    top = sorted(events, key=lambda e: -e.device_time_total)[:16]
     return {"kernels_per_step": kernels,
             "kernel_ms_per_step": sum(e.device_time_total for e in events) / steps / 1e3,
             "top": [{"ms": e.device_time_total / steps / 1e3, "count": e.count / steps, "name": e.key[:120]}
@@ -92,17 +100,22 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated variant numbers (1-based) to build; all by default")
     parser.add_argument("--no-eager", action="store_true", help="skip the eager model's row")
     parser.add_argument("--blaslt", action="store_true", help="also time the first three packages on cuBLASLt")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama1b")
+    parser.add_argument("--layers", type=int, default=0, help="decoder layers (0: the shape's own)")
+    parser.add_argument("--fp8", action="store_true",
+                        help="after the variants, quantize to fp8 weight-only and build the same variants again")
     args = parser.parse_args()
     reexec_with_preload()
     start = time.perf_counter()
     out = Path(os.environ.get("OUT", "/tmp/out"))
     out.mkdir(parents=True, exist_ok=True)
     from exporter.attention_backend import backend_context
+    from exporter.generation.bench import weight_bytes
     from exporter.generation.cache import DecoderStep, probe_layout
     from exporter.targets.aoti_loader import load_package
     from exporter.targets.exported_program import decomposition_table
 
-    model = build_model()
+    model = build_model(args.shape, args.layers)
     step = DecoderStep(model, True)
     layout = probe_layout(model, True, "cuda")
     cache_length, batch = 512, 8
@@ -110,7 +123,7 @@ def main() -> None:
     ids = torch.zeros(1, 1, dtype=torch.long, device="cuda")
     pad = torch.ones(1, cache_length, dtype=torch.long, device="cuda")
     where = torch.tensor([300], device="cuda")
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = weight_bytes(model)  # what a step reads: an untied embedding table is gathered, not read
     rows: list[dict] = []
     if not args.no_eager:
         with torch.inference_mode():
@@ -150,6 +163,8 @@ def main() -> None:
         ("AOTI, batch 1, max-autotune + coordinate descent", True, False, autotune, "auto"),
         ("AOTI, fused, memory-efficient attention first", False, True, {}, "efficient"),
         ("AOTI, fused, FlashAttention first", False, True, {}, "flash"),
+        ("AOTI, fused, batch 1, coordinate descent (generation.decode_batch_1, as built)", True, True,
+         {"coordinate_descent_tuning": True}, "auto"),
     ]
     def fresh_call(package: Path):
         # a container whose run was captured cannot run outside the graph: each capture gets its own
@@ -160,9 +175,21 @@ def main() -> None:
     packages: dict[str, Path] = {}
     row: dict
     only = {int(n) for n in args.only.split(",") if n}
-    for number, (name, static, fuse, configs, backend) in enumerate(variants, 1):
+    runs = [("", n, v) for n, v in enumerate(variants, 1)]
+    if args.fp8:  # the same variants once more on the model quantized as h100-fp8 + fp8-weight-only builds it
+        runs += [("fp8 weight-only: ", n, v) for n, v in enumerate(variants, 1)]
+    quantized, weights_fp8 = False, 0
+    for prefix, number, (name, static, fuse, configs, backend) in runs:
         if only and number not in only:
             continue
+        if prefix and not quantized:
+            from exporter.quantize.transform import quantize_model
+
+            quantize_model(model, "fp8-weight-only", keep_originals=False)
+            programs.clear()
+            quantized = True
+            weights_fp8 = weight_bytes(model)
+        name = prefix + name
         if time.perf_counter() - start > args.budget_s:
             rows.append({"variant": name, "skipped": "time budget spent"})
             continue
@@ -186,6 +213,7 @@ def main() -> None:
         print(json.dumps(row)[:400], flush=True)
         if "graph_ms" in row:
             packages[name] = path
+        (out / "decode-probe.partial.json").write_text(json.dumps(rows, indent=1))  # a call cut short keeps these
     # the same packages with cuBLASLt behind their matrix products (the extern mm calls ATen's BLAS)
     for name, path in list(packages.items())[:3] if args.blaslt else []:
         if time.perf_counter() - start > args.budget_s + 60:
@@ -202,14 +230,21 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row)[:400], flush=True)
     limit_ms = weights / 4.17e12 * 1e3
-    (out / "decode-probe.json").write_text(json.dumps({"weights_bytes": weights, "rows": rows}, indent=1))
-    lines = [f"# Decode step at batch 1 (1B decoder, bf16, 512-slot cache): weights {weights / 1e9:.2f} GB, "
-             f"copy-bandwidth limit {limit_ms:.2f} ms", "",
+    fp8_limit_ms = weights_fp8 / 4.17e12 * 1e3 if quantized else None
+    (out / "decode-probe.json").write_text(json.dumps({"weights_bytes": weights, "shape": args.shape,
+                                                       "layers": args.layers or None,
+                                                       "fp8_weights_bytes": weights_fp8 if quantized else None,
+                                                       "rows": rows}, indent=1))
+    what = f"{args.shape}{f', {args.layers} layers' if args.layers else ''}"
+    lines = [f"# Decode step at batch 1 ({what}, bf16, 512-slot cache): weights read {weights / 1e9:.2f} GB, "
+             f"copy-bandwidth limit {limit_ms:.2f} ms at 4.17 TB/s"
+             + (f"; fp8 weight-only {weights_fp8 / 1e9:.2f} GB, {fp8_limit_ms:.2f} ms" if quantized else ""), "",
              "| variant | graph ms/token | of limit | kernels/step | kernel ms/step | build s |",
              "| --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         if "graph_ms" in row:
-            lines.append(f"| {row['variant']} | {row['graph_ms']:.3f} | {limit_ms / row['graph_ms']:.0%} | "
+            limit = fp8_limit_ms if row["variant"].startswith("fp8") and fp8_limit_ms else limit_ms
+            lines.append(f"| {row['variant']} | {row['graph_ms']:.3f} | {limit / row['graph_ms']:.0%} | "
                          f"{row['kernels_per_step']:.0f} | {row['kernel_ms_per_step']:.3f} | "
                          f"{row.get('build_s', 0):.0f} |")
         else:
@@ -217,7 +252,7 @@ def main() -> None:
     for row in rows:
         if row.get("top"):
             lines += ["", f"## {row['variant']}: top kernels"]
-            lines += [f"- {k['ms']:.3f} ms ×{k['count']:.0f} {k['name']}" for k in row["top"]]
+            lines += [f"- {k['ms']:.4f} ms ×{k['count']:.0f} {k['name']}" for k in row["top"]]
     (out / "decode-probe.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
