@@ -3,6 +3,7 @@
     PYTHONPATH=src python3 benchmarks/gpu_decode_probe.py [--budget-s 420] [--only 1,2,3] [--no-eager] [--blaslt]
     PYTHONPATH=src python3 benchmarks/gpu_decode_probe.py --shape llama8b --layers 2 --only 8 --fp8 --no-eager
         # the program of batch 1 as generation.decode_batch_1 builds it, bf16 then fp8 weight-only (one call)
+    ... --only 8,9: and the same program with the projections unfused (Inductor reads a fused gate/up slower)
 
 (one 10-minute call builds about four variants; docs/runs/h100-bf16-decode-probe-fused.md took two.)
 Builds the Llama-3.2-1B-shaped decoder of benchmarks/gpu_generation.sh (random weights, bf16, SDPA), exports its
@@ -165,6 +166,7 @@ def main() -> None:
         ("AOTI, fused, FlashAttention first", False, True, {}, "flash"),
         ("AOTI, fused, batch 1, coordinate descent (generation.decode_batch_1, as built)", True, True,
          {"coordinate_descent_tuning": True}, "auto"),
+        ("AOTI, unfused, batch 1, coordinate descent", True, False, {"coordinate_descent_tuning": True}, "auto"),
     ]
     def fresh_call(package: Path):
         # a container whose run was captured cannot run outside the graph: each capture gets its own
