@@ -146,6 +146,7 @@ def test_help_imports_no_torch_or_backends():
     (["--out", "a", "--out=b"], "--out is given twice"),
     (["--set", "numerics.k=2", "--set", "numerics.k=3"], "--set numerics.k is given twice"),
     (["--dim", "batch=2", "--dim", "batch=3"], "--dim batch is given twice"),
+    (["--dim", "batch=2", "--set", "inputs.dims.batch=3"], "both size dim batch"),
 ])
 def test_a_mistake_in_an_option_is_told_before_torch_loads(extra, fragment, tiny_models, tmp_path):
     """Every small grammar is checked by the command line itself: the mistake, its fix, and no torch import

@@ -185,6 +185,19 @@ def test_set_overrides_are_typed_like_the_recipe_file():
         apply_settings(base, ("inputs.dims.batch=big",))
 
 
+def test_a_dim_sized_by_dim_and_by_set_is_refused_where_the_two_differ():
+    """--dim batch=2 with --set inputs.dims.batch=3 names two sizes for one dim: refused, neither wins; the same
+    size both ways, or two different dims, go through."""
+    from exporter.recipe import resolve_recipe
+
+    with pytest.raises(RecipeError, match=r"--dim 'batch=2' and --set inputs.dims.batch=3 both size dim batch"):
+        resolve_recipe("cpu-fp32", dims=("batch=2",), settings=("inputs.dims.batch=3",))
+    same = resolve_recipe("cpu-fp32", dims=("batch=4:1:32",), settings=("inputs.dims.batch=4:1:32",))
+    assert (same.inputs.dim("batch").size, same.inputs.dim("batch").max) == (4, 32)
+    apart = resolve_recipe("cpu-fp32", dims=("batch=2",), settings=("inputs.dims.sequence=16",))
+    assert (apart.inputs.dim("batch").size, apart.inputs.dim("sequence").size) == (2, 16)
+
+
 def test_a_batch_1_decode_program_without_its_target_or_task_is_refused():
     """generation.decode_batch_1 asks for a program the aoti target builds for --task text-generation: asked with
     neither, it is refused by name, never silently dropped; a forward run ignores the generation section."""

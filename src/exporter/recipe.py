@@ -777,16 +777,36 @@ def apply_settings(recipe: Recipe, settings: tuple[str, ...]) -> Recipe:
     return parse_recipe(table, name=recipe.name, source=recipe.source, problems=problems)
 
 
+def _refuse_dims_set_twice(dims: tuple[str, ...], settings: tuple[str, ...]) -> None:
+    """``--dim NAME=...`` and ``--set inputs.dims.NAME=...`` giving one dim two different sizes: refused, as an
+    option given twice with two values is (neither silently wins); the same size given both ways is allowed."""
+    if not dims:
+        return
+    by_set: dict[str, str] = {}
+    for text in settings:
+        match = _SETTING.match(text)
+        if match and match.group(1) == "inputs" and match.group(2).startswith("dims."):
+            by_set[match.group(2)[len("dims."):]] = match.group(3)
+    for text in dims:
+        parsed = _parse_dim_option(text)
+        name = next(iter(parsed))
+        if name in by_set and _parse_dim_option(f"{name}={by_set[name]}")[name] != parsed[name]:
+            raise RecipeError(f"--dim {text!r} and --set inputs.dims.{name}={by_set[name]} both size dim {name}",
+                              f"give one of them: --dim {name}=SIZE[:MIN:MAX]")
+
+
 def resolve_recipe(recipe: str | Path | Recipe, factory: str | None = None, dims: tuple[str, ...] = (),
                    tensors: tuple[str, ...] = (), rewrite: bool = True, targets: tuple[str, ...] = (),
                    settings: tuple[str, ...] = (), task: str | None = None, combination: bool = True) -> Recipe:
     """The recipe (a name, a path or a Recipe) with the command line's ``--set`` overrides, then its factory,
     input declarations, ``--target`` selection and ``--no-rewrite`` (``rewrite=False``; True keeps the
     recipe's own setting). Torch is not needed: the command line checks all of it before loading torch.
-    ``--target`` and ``--set targets.build=`` both choosing the targets is refused: neither silently wins."""
+    ``--target`` and ``--set targets.build=`` both choosing the targets is refused, and so are ``--dim`` and
+    ``--set inputs.dims.`` giving one dim two sizes: neither silently wins."""
     if targets and any(s.split("=", 1)[0].strip() == "targets.build" for s in settings):
         raise RecipeError("--target and --set targets.build=... both choose the targets to build",
                           "give one of them: --target NAME (repeatable) or --set targets.build=NAME,NAME")
+    _refuse_dims_set_twice(dims, settings)
     loaded = apply_settings(recipe if isinstance(recipe, Recipe) else load_recipe(recipe), settings)
     resolved = loaded.with_factory(factory).with_inputs(dims, tensors).with_targets(targets).with_task(task)
     if combination:  # exporter check builds nothing: it refuses [quantize] itself, whatever the targets

@@ -417,6 +417,13 @@ def _(tmp, a):
                 2, "--set numerics.k is given twice ('2' and '4')")
 
 
+@case("recipe and inputs", "one dim sized by --dim and by --set")
+def _(tmp, a):
+    return Case("one dim sized by --dim and by --set", "recipe and inputs",
+                ["convert", str(a.gpt2), "--dim", "batch=2", "--set", "inputs.dims.batch=3", "--out", str(tmp / "out")],
+                2, "--dim 'batch=2' and --set inputs.dims.batch=3 both size dim batch")
+
+
 @case("recipe and inputs", "unknown --target")
 def _(tmp, a):
     return Case("unknown --target", "recipe and inputs",
