@@ -27,6 +27,7 @@ import traceback
 import fp8_gemv_kernel as fp8_gemv
 import torch
 import torch.nn.functional as F
+from gpu_fp8_layer import timed
 
 from exporter.quantize import fp8
 
@@ -44,31 +45,8 @@ WARPS = [4, 8]
 
 
 def graph_time(calls, rounds=20):
-    """ms per call: every call captured once in a CUDA graph, the graph replayed ``rounds`` times."""
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for c in calls:
-            c()
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph, stream=stream):
-            for c in calls:
-                c()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(rounds):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / rounds / len(calls))
-    return sorted(times)[len(times) // 2]
+    """ms per call: every call captured once in a CUDA graph (gpu_fp8_layer's timing), replayed ``rounds`` times."""
+    return timed(lambda: [c() for c in calls], iters=rounds) / len(calls)
 
 
 def triton_call(x, qw, s, out, block_n, block_k, split, warps):
