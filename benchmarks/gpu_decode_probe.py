@@ -4,6 +4,7 @@
     PYTHONPATH=src python3 benchmarks/gpu_decode_probe.py --shape llama8b --layers 2 --only 8 --fp8 --no-eager
         # the program of batch 1 as generation.decode_batch_1 builds it, bf16 then fp8 weight-only (one call)
     ... --only 8,9: and the same program with the projections unfused (Inductor reads a fused gate/up slower)
+    ... --shape qwen05b --only 8 --no-eager: the Qwen2-0.5B shape's program of batch 1, profiled
 
 (one 10-minute call builds about four variants; docs/runs/h100-bf16-decode-probe-fused.md took two.)
 Builds the Llama-3.2-1B-shaped decoder of benchmarks/gpu_generation.sh (random weights, bf16, SDPA), exports its
@@ -39,8 +40,16 @@ def reexec_with_preload() -> None:
         os.execv(sys.executable, [sys.executable, *sys.argv])
 
 
-SHAPES = {"llama1b": dict(num_hidden_layers=16, hidden_size=2048, intermediate_size=8192, tie_word_embeddings=True),
-          "llama8b": dict(num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, tie_word_embeddings=False)}
+LLAMA = dict(num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
+             rope_theta=500000.0)
+SHAPES = {"llama1b": dict(num_hidden_layers=16, hidden_size=2048, intermediate_size=8192, tie_word_embeddings=True,
+                          **LLAMA),
+          "llama8b": dict(num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, tie_word_embeddings=False,
+                          **LLAMA),
+          # the sizes benchmarks/gpu_generation.sh builds for SHAPE=qwen05b (Qwen2: q/k/v biases, tied 152k head)
+          "qwen05b": dict(num_hidden_layers=24, hidden_size=896, intermediate_size=4864, num_attention_heads=14,
+                          num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
+                          rope_theta=1000000.0, tie_word_embeddings=True)}
 
 
 def build_model(shape: str = "llama1b", layers: int = 0, device: str = "cuda"):
@@ -50,10 +59,10 @@ def build_model(shape: str = "llama1b", layers: int = 0, device: str = "cuda"):
     sizes = dict(SHAPES[shape])
     if layers:
         sizes["num_hidden_layers"] = layers
-    config = transformers.LlamaConfig(**sizes, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                                      max_position_embeddings=131072, rope_theta=500000.0)
+    config_class, model_class = ((transformers.Qwen2Config, transformers.Qwen2ForCausalLM) if shape.startswith("qwen")
+                                 else (transformers.LlamaConfig, transformers.LlamaForCausalLM))
     with torch.device(device):
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+        model = model_class(config_class(**sizes)).to(torch.bfloat16).eval()
     model.set_attn_implementation("sdpa")
     return model
 
