@@ -5,6 +5,8 @@
         # the program of batch 1 as generation.decode_batch_1 builds it, bf16 then fp8 weight-only (one call)
     ... --only 8,9: and the same program with the projections unfused (Inductor reads a fused gate/up slower)
     ... --shape qwen05b --only 8 --no-eager: the Qwen2-0.5B shape's program of batch 1, profiled
+    ... --fp8 --fp8-forms kernel,inductor: the fp8 programs with exporter::fp8_gemv (quantize/fp8_gemv.py; fp8
+        projections fused where the variant fuses) and then with Inductor's own form, in one process
 
 (one 10-minute call builds about four variants; docs/runs/h100-bf16-decode-probe-fused.md took two.)
 Builds the Llama-3.2-1B-shaped decoder of benchmarks/gpu_generation.sh (random weights, bf16, SDPA), exports its
@@ -114,6 +116,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=0, help="decoder layers (0: the shape's own)")
     parser.add_argument("--fp8", action="store_true",
                         help="after the variants, quantize to fp8 weight-only and build the same variants again")
+    parser.add_argument("--fp8-forms", default="kernel",
+                        help="the fp8 programs' products: kernel (exporter::fp8_gemv where a program has one row), "
+                             "inductor (Inductor's own form), or both comma-separated, built in that order")
+    parser.add_argument("--skip-bf16", action="store_true", help="with --fp8: build the fp8 variants only")
     args = parser.parse_args()
     reexec_with_preload()
     start = time.perf_counter()
@@ -143,15 +149,21 @@ def main() -> None:
         rows.append(eager)
         print(json.dumps(eager)[:400], flush=True)
 
-    def export(static_batch: bool, fuse: bool, backend: str):
+    def export(static_batch: bool, fuse: bool, backend: str, kernel: bool = False):
         import contextlib
 
+        from torch import nn
+
+        from exporter.quantize.fp8 import Fp8Linear
+        from exporter.quantize.fp8_gemv import one_row_kernel
         from exporter.rewrite.fused_projections import fused_projections
 
         with contextlib.ExitStack() as stack:
             stack.enter_context(backend_context(backend, "cuda"))
+            stack.enter_context(one_row_kernel(kernel))
             if fuse:  # as generation.fuse_projections does: q, k, v and gate, up as one product each
-                stack.enter_context(fused_projections(model, lambda: step(ids, pad, where, kv)))
+                kinds = (nn.Linear, Fp8Linear) if kernel else (nn.Linear,)
+                stack.enter_context(fused_projections(model, lambda: step(ids, pad, where, kv), kinds))
             return export_step(static_batch)
 
     def export_step(static_batch: bool):
@@ -177,20 +189,28 @@ def main() -> None:
          {"coordinate_descent_tuning": True}, "auto"),
         ("AOTI, unfused, batch 1, coordinate descent", True, False, {"coordinate_descent_tuning": True}, "auto"),
     ]
+    from exporter.targets.aoti import program_tensors
+
+    constants_of: dict[Path, dict] = {}
+
     def fresh_call(package: Path):
-        # a container whose run was captured cannot run outside the graph: each capture gets its own
-        runner = load_package(package)
+        # a container whose run was captured cannot run outside the graph: each capture gets its own. The weights
+        # are not in the package (as the product builds a decoder's): the program's own tensors, used in place
+        runner = load_package(package, constants=constants_of[package])
         return lambda: runner(ids, pad, where, kv)
 
     programs = {}
     packages: dict[str, Path] = {}
     row: dict
     only = {int(n) for n in args.only.split(",") if n}
-    runs = [("", n, v) for n, v in enumerate(variants, 1)]
+    runs = [] if args.fp8 and args.skip_bf16 else [("", n, v) for n, v in enumerate(variants, 1)]
     if args.fp8:  # the same variants once more on the model quantized as h100-fp8 + fp8-weight-only builds it
-        runs += [("fp8 weight-only: ", n, v) for n, v in enumerate(variants, 1)]
+        for form in args.fp8_forms.split(","):
+            label = "fp8 weight-only, fp8_gemv kernel: " if form == "kernel" else "fp8 weight-only, Inductor: "
+            runs += [(label, n, v) for n, v in enumerate(variants, 1)]
     quantized, weights_fp8 = False, 0
     for prefix, number, (name, static, fuse, configs, backend) in runs:
+        kernel = "kernel" in prefix
         if only and number not in only:
             continue
         if prefix and not quantized:
@@ -200,22 +220,32 @@ def main() -> None:
             programs.clear()
             quantized = True
             weights_fp8 = weight_bytes(model)
+            with torch.inference_mode():  # the quantized eager step's logits: every fp8 program is compared to them
+                eager_logits = step(ids, pad, where, kv).float().clone()
         name = prefix + name
         if time.perf_counter() - start > args.budget_s:
             rows.append({"variant": name, "skipped": "time budget spent"})
             continue
         try:
-            if (static, fuse, backend) not in programs:
-                programs[(static, fuse, backend)] = export(static, fuse, backend)
+            if (static, fuse, backend, kernel) not in programs:
+                programs[(static, fuse, backend, kernel)] = export(static, fuse, backend, kernel)
             t0 = time.perf_counter()
-            path = out.parent / f"probe-{len(rows)}.pt2"
+            path = Path("/tmp") / f"probe-{len(rows)}.pt2"
             with backend_context(backend, "cuda"):
-                torch._inductor.aoti_compile_and_package(programs[(static, fuse, backend)], package_path=str(path),
-                                                         inductor_configs={"cpp.vec_isa_ok": False, **configs})
+                program = programs[(static, fuse, backend, kernel)]
+                torch._inductor.aoti_compile_and_package(program, package_path=str(path),
+                                                         inductor_configs={"cpp.vec_isa_ok": False,
+                                                                           "aot_inductor.package_constants_in_so":
+                                                                           False, **configs})
+                constants_of[path] = dict(program_tensors(program))
             build_s = time.perf_counter() - t0
             with torch.inference_mode():
                 row = {"variant": name, "build_s": build_s, "graph_ms": graph_ms(functools.partial(fresh_call, path))}
                 row.update(profile_step(fresh_call(path)))
+                if quantized:  # a sanity check, not the gate: relative L2 of the logits from the quantized eager step
+                    logits = fresh_call(path)()
+                    logits = (logits[0] if isinstance(logits, (list, tuple)) else logits).float()
+                    row["logits_rel_l2_vs_eager"] = float((logits - eager_logits).norm() / eager_logits.norm())
         except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, the others still run
             row = {"variant": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}",
                    "traceback": traceback.format_exc()[-3000:]}
@@ -250,16 +280,16 @@ def main() -> None:
     lines = [f"# Decode step at batch 1 ({what}, bf16, 512-slot cache): weights read {weights / 1e9:.2f} GB, "
              f"copy-bandwidth limit {limit_ms:.2f} ms at 4.17 TB/s"
              + (f"; fp8 weight-only {weights_fp8 / 1e9:.2f} GB, {fp8_limit_ms:.2f} ms" if quantized else ""), "",
-             "| variant | graph ms/token | of limit | kernels/step | kernel ms/step | build s |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "| variant | graph ms/token | of limit | kernels/step | kernel ms/step | build s | logits vs fp8 eager |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         if "graph_ms" in row:
             limit = fp8_limit_ms if row["variant"].startswith("fp8") and fp8_limit_ms else limit_ms
             lines.append(f"| {row['variant']} | {row['graph_ms']:.3f} | {limit / row['graph_ms']:.0%} | "
                          f"{row['kernels_per_step']:.0f} | {row['kernel_ms_per_step']:.3f} | "
-                         f"{row.get('build_s', 0):.0f} |")
+                         f"{row.get('build_s', 0):.0f} | {row.get('logits_rel_l2_vs_eager', '')} |")
         else:
-            lines.append(f"| {row['variant']} | {row.get('error') or row.get('skipped')} | | | | |")
+            lines.append(f"| {row['variant']} | {row.get('error') or row.get('skipped')} | | | | | |")
     for row in rows:
         if row.get("top"):
             lines += ["", f"## {row['variant']}: top kernels"]

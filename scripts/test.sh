@@ -9,6 +9,9 @@ python3 -m venv .venv
 python -m pip install -q --upgrade pip
 python -m pip install -q torch==2.13.0   # the CPU build first, so no dependency pulls a CUDA build
 python -m pip install -q -e ".[test]"
+# Triton apart from the suite's environment (the CPU torch has none): tests/quantize/test_fp8_gemv.py runs the fp8
+# kernel under Triton's interpreter in a process of its own with .triton/ on its path
+python -m pip install -q --no-deps --upgrade --target .triton triton==3.9.0
 ruff check src tests scripts benchmarks
 mypy
 # two workers, one test file each at a time (a file's fixtures are built once): the tests wait on child processes

@@ -193,3 +193,54 @@ def test_validate_rebuilds_the_quantized_model(fp8_run):
 
     result = validate_folder(fp8_run.out, targets=("exported_program",))
     assert result["exit_code"] == 0, result["problems"]
+
+
+def test_fp8_weight_only_generation_with_the_batch_1_program(tiny_models, tmp_path):
+    """fp8 weight-only with the decode program of batch 1: the weight-only linears that read one input are fused in
+    all three programs (the kernel of one row reads a group's concatenated fp8 weight on CUDA; on the CPU the
+    unfused form runs), so the weights file holds each fp8 weight once; every program passes the gate and verify."""
+    from safetensors import safe_open
+
+    settings = ("quantize.scheme=fp8-weight-only", "runtime.dtype=bfloat16", "generation.decode_batch_1=true")
+    result = exporter.convert(tiny_models["llama"], quick(("aoti",)), tmp_path / "out", settings=settings,
+                              task="text-generation")
+    report = result.report
+    assert result.exit_code == 0, report["problems"]
+    (entry,) = report["artifacts"]
+    assert entry["status"] == "ok" and entry["numerics"]["batch_1"]["passed"]
+    assert len(entry["fused_projections"]) == 4  # q/k/v and gate/up of each layer, in fp8
+    with safe_open(str(result.out / "generation.aoti.weights.safetensors"), "pt") as weights:
+        fp8_names = sorted(n for n in weights.keys() if weights.get_slice(n).get_dtype() == "F8_E4M3")
+    # 2 layers x (q/k/v fused, o, gate/up fused, down), each stored once for the three programs
+    assert len(fp8_names) == 8 and sum(".fused." in n for n in fp8_names) == 4, fp8_names
+    assert verify(result.out).exit_code == 0
+
+
+def test_a_generation_build_that_fails_publishes_no_half_built_program(tiny_models, tmp_path, monkeypatch):
+    """A compile that fails after the prefill package was written: the target fails with the whole message in
+    logs/aoti.build.log, no package of it is published (a package without its weights file would load and read
+    unset memory), and exporter generate refuses the target."""
+    from exporter.errors import UsageError
+    from exporter.generation.generate import generate_tokens
+    from exporter.targets import aoti
+
+    compiled = []
+    real = aoti.compile_package
+
+    def second_fails(program, path, configs, device, extra=None):
+        if compiled:
+            raise RuntimeError("C++ compile error: " + "x" * 600 + " the compiler's last line")
+        compiled.append(path)
+        return real(program, path, configs, device, extra)
+
+    monkeypatch.setattr(aoti, "compile_package", second_fails)
+    result = exporter.convert(tiny_models["llama"], quick(("aoti",)), tmp_path / "out", settings=SETTINGS,
+                              task="text-generation")
+    assert result.exit_code == 4
+    (entry,) = result.report["artifacts"]
+    assert entry["status"] == "failed" and "logs/aoti.build.log" in entry["error"]
+    assert compiled and compiled[0].name == "prefill.aoti.pt2"
+    assert "the compiler's last line" in (result.out / "logs" / "aoti.build.log").read_text()
+    assert not list(result.out.glob("*.aoti.pt2"))
+    with pytest.raises(UsageError, match="has no decode program"):
+        generate_tokens(result.out, "aoti", [[1, 2, 3]])

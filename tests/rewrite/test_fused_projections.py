@@ -82,3 +82,35 @@ def test_fusion_off_exports_the_linears_as_they_are(tmp_path):
     weights = [s.target for s in decode.graph_signature.input_specs if s.kind.name == "PARAMETER"]
     assert sum(name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")) for name in weights) == 6
     assert not any(name.endswith("fused.weight") for name in weights)
+
+
+def test_fp8_weight_only_linears_fuse_only_when_asked_and_keep_one_copy():
+    """Weight-only fp8 linears (the decode program of batch 1 asks for them): their fp8 weights and per-row scales
+    are concatenated, the group computes one fp8 product, each member's output is unchanged, and on exit each
+    member's fp8 weight and scales are views of the concatenated ones."""
+    from exporter.quantize.fp8 import Fp8Linear
+    from exporter.quantize.transform import quantize_model
+
+    model = tiny_llama().to(torch.bfloat16)
+    quantize_model(model, "fp8-weight-only", keep_originals=False)
+    ids = torch.randint(0, 300, (1, 5))
+    with torch.no_grad():
+        expected = model(ids).logits
+    with fused_projections(model, lambda: model(ids)) as groups:
+        assert groups == []  # nn.Linear only by default: the fp8 linears stay apart
+    with fused_projections(model, lambda: model(ids), (nn.Linear, Fp8Linear)) as groups:
+        assert sorted(len(g.names) for g in groups) == [2, 2, 3, 3]
+        fused = model.model.layers[0].self_attn.q_proj.fused.fp8
+        assert isinstance(fused, Fp8Linear) and tuple(fused.qweight.shape) == (64 + 2 * 32, 64)
+        with torch.no_grad():
+            inside = model(ids).logits
+        assert torch.equal(inside, expected)
+    attention = model.model.layers[0].self_attn
+    assert isinstance(attention.k_proj, Fp8Linear)  # restored
+    def storage(t):
+        return t.untyped_storage().data_ptr()
+
+    assert storage(attention.q_proj.qweight) == storage(attention.v_proj.qweight)
+    assert storage(attention.q_proj.scales) == storage(attention.k_proj.scales)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, expected)

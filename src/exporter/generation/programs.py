@@ -6,7 +6,10 @@ With ``one`` (``generation.decode_batch_1``) the decode program is exported once
 and the batch 1: what a target that compiles it apart (AOTI, tuned to one row) builds for a batch of one.
 The cache tensors are program inputs mutated in place, so the two programs share whatever cache the caller
 passes. With ``past`` it also exports both as ``PastStep`` (the cache in and returned updated), the form ONNX
-can express. Each target writes and loads its own files from these programs (``build_decoder`` and
+can express. In the decode program of batch 1 a weight-only fp8 linear runs ``quantize.fp8_gemv``'s kernel on
+CUDA, and with ``fuse`` the weight-only fp8 linears that read one input are fused too, in every program, so the
+three keep one copy of the weights (docs/quantization.md, "The kernel of one row"). Each target writes and loads
+its own files from these programs (``build_decoder`` and
 ``load_decoder`` in ``exporter/targets/<kind>.py``; the files each writes are its ``decoder`` row in
 ``exporter/targets/__init__.py``).
 """
@@ -20,6 +23,8 @@ import torch
 import torch.nn as nn
 
 from ..errors import describe
+from ..quantize.fp8 import Fp8Linear
+from ..quantize.fp8_gemv import one_row_kernel
 from ..rewrite.fused_projections import fused_projections
 from ..targets.context import DecoderPrograms
 from ..targets.exported_program import decomposition_table
@@ -65,11 +70,13 @@ def export_steps(step: DecoderStep, layout: CacheLayout, batch: int, prompt: int
         groups = []
         if fuse:
             _, probe_args = _examples(layout, 1, prompt, cache_length, dtype, device)
-            groups = stack.enter_context(fused_projections(step.model, lambda: step(*probe_args)))
+            groups = stack.enter_context(fused_projections(step.model, lambda: step(*probe_args),
+                                                           fusable(step.model, one)))
         exported = _export_both(step, layout, batch, prompt, cache_length, dtype, device)
         if one:
             _, single = _examples(layout, 1, prompt, cache_length, dtype, device)
-            program = torch.export.export(step, single, strict=False)
+            with one_row_kernel():
+                program = torch.export.export(step, single, strict=False)
             exported.decode_one = program.run_decompositions(decompositions(layout))
         if past:
             try:
@@ -85,6 +92,14 @@ def export_steps(step: DecoderStep, layout: CacheLayout, batch: int, prompt: int
                               "each (generation.fuse_projections)" if groups else
                               "no linears that read one input to fuse (generation.fuse_projections)")
     return exported
+
+
+def fusable(model: nn.Module, one: bool) -> tuple[type, ...]:
+    """The linears ``fuse`` groups: ``nn.Linear``, and weight-only fp8 linears where a decode program of batch 1 is
+    built (its kernel reads a group's concatenated fp8 weight in one launch). Rowwise fp8 linears stay apart, as
+    measured (docs/quantization.md)."""
+    weight_only = any(isinstance(m, Fp8Linear) and m.scheme == "fp8-weight-only" for m in model.modules())
+    return (nn.Linear, Fp8Linear) if one and weight_only else (nn.Linear,)
 
 
 def decompositions(layout: CacheLayout) -> dict:

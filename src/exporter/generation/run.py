@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -203,7 +204,13 @@ def build_and_judge(entry: dict[str, Any], programs: DecoderPrograms, recipe: Re
         try:
             files = build_decoder(target, programs, recipe, staging)
         except Exception as exc:
-            entry.update(status=FAILED, error=f"build failed: {describe(exc)}")
+            # the whole message (a compiler's output is longer than the report's line) and the traceback
+            log = staging / "logs" / f"{name}.build.log"
+            log.write_text(f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}", encoding="utf-8")
+            entry.update(status=FAILED, error=f"build failed (logs/{log.name}): {describe(exc)}")
+            for partial in (*target.decoder, target.decoder_one):  # no half-built program is published: a
+                if partial:  # package without its weights file would load and read unset memory
+                    (staging / partial).unlink(missing_ok=True)
             return
         main = staging / target.decoder[-1]
         notes = list(programs.notes)

@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import fp8_gemv
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 SCALE_FLOOR = 1e-12  # an all-zero row (padding) gets this scale instead of 0: its values stay 0, not NaN
@@ -112,6 +114,8 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.scheme == "fp8-rowwise":
             out = rowwise_product(x, self.qweight, self.scales)
+        elif fp8_gemv.eligible(x, self.qweight):  # one row on CUDA, inside fp8_gemv.one_row_kernel()
+            return torch.ops.exporter.fp8_gemv(x, self.qweight, self.scales, self.bias)
         else:
             out = weight_only_product(x, self.qweight, self.scales)
         return out if self.bias is None else out + self.bias.to(out.dtype)
