@@ -54,7 +54,8 @@ SHAPES = {"llama1b": dict(num_hidden_layers=16, hidden_size=2048, intermediate_s
                           rope_theta=1000000.0, tie_word_embeddings=True)}
 
 
-def build_model(shape: str = "llama1b", layers: int = 0, device: str = "cuda"):
+def build_model(shape: str = "llama1b", layers: int = 0, device: str = "cuda", **config):
+    """The shape's model with random weights (seed 0) in bf16; ``config``: more keys for its transformers config."""
     import transformers
 
     torch.manual_seed(0)
@@ -64,9 +65,14 @@ def build_model(shape: str = "llama1b", layers: int = 0, device: str = "cuda"):
     config_class, model_class = ((transformers.Qwen2Config, transformers.Qwen2ForCausalLM) if shape.startswith("qwen")
                                  else (transformers.LlamaConfig, transformers.LlamaForCausalLM))
     with torch.device(device):
-        model = model_class(config_class(**sizes)).to(torch.bfloat16).eval()
+        model = model_class(config_class(**sizes, **config)).to(torch.bfloat16).eval()
     model.set_attn_implementation("sdpa")
     return model
+
+
+def save_checkpoint(folder: str, shape: str, layers: str = "0", device: str = "cuda") -> None:
+    """The checkpoint benchmarks/gpu_generation.sh converts: ``build_model``'s weights saved with their config."""
+    build_model(shape, int(layers), device, torch_dtype="bfloat16").save_pretrained(folder)
 
 
 def profile_step(call, steps: int = 10) -> dict:

@@ -19,28 +19,8 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; work=/tmp/generation; rm -rf "$work"; mkd
 start=$(date +%s)
 SHAPE=${SHAPE:-llama1b}; RECIPE=${RECIPE:-h100-bf16}
 echo "shape: $SHAPE${LAYERS:+, $LAYERS layers}; recipe: $RECIPE" | tee -a "$OUT/summary.md"
-python3 - "$work/$SHAPE" "$SHAPE" "${LAYERS:-0}" <<'PY'
-import sys, torch, transformers
-torch.manual_seed(0)
-llama = dict(num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
-             rope_theta=500000.0)
-shape = {"llama1b": dict(num_hidden_layers=16, hidden_size=2048, intermediate_size=8192, tie_word_embeddings=True,
-                         **llama),
-         "llama8b": dict(num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, tie_word_embeddings=False,
-                         **llama),
-         "qwen05b": dict(num_hidden_layers=24, hidden_size=896, intermediate_size=4864, num_attention_heads=14,
-                         num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
-                         rope_theta=1000000.0, tie_word_embeddings=True)}
-sizes = shape[sys.argv[2]]
-if int(sys.argv[3]):
-    sizes["num_hidden_layers"] = int(sys.argv[3])
-config_class, model_class = ((transformers.Qwen2Config, transformers.Qwen2ForCausalLM) if sys.argv[2].startswith("qwen")
-                             else (transformers.LlamaConfig, transformers.LlamaForCausalLM))
-config = config_class(**sizes, torch_dtype="bfloat16")
-with torch.device("cuda"):
-    model = model_class(config).to(torch.bfloat16)
-model.save_pretrained(sys.argv[1])
-PY
+PYTHONPATH=src:benchmarks python3 -c 'import sys; from gpu_decode_probe import save_checkpoint; save_checkpoint(*sys.argv[1:])' \
+  "$work/$SHAPE" "$SHAPE" "${LAYERS:-0}"  # the shapes of benchmarks/gpu_decode_probe.py, one home for them
 echo "checkpoint written in $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.md"
 start=$(date +%s)
 timeout "${LIMIT:-480}" python3 -m exporter convert "$work/$SHAPE" --recipe "$RECIPE" --task text-generation \
