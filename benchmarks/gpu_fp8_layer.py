@@ -22,15 +22,13 @@ import transformers
 
 from exporter.quantize.fp8 import Fp8Linear, quantize_weight
 from exporter.quantize.transform import quantize_model
+from exporter.targets.aoti_loader import capture
 
 
 def timed(fn, *args, iters=50):
-    for _ in range(5):
-        fn(*args)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn(*args)
+    """ms per call of ``fn(*args)``: captured in a CUDA graph (``aoti_loader.capture``: warm-up on a side stream,
+    relaxed capture, which an AOTInductor package needs), replayed ``iters`` times, median of 5 rounds."""
+    graph = capture(lambda: fn(*args))
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()

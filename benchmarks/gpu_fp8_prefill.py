@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 from gpu_decode_probe import build_model, reexec_with_preload
+from gpu_fp8_layer import timed
 
 
 class Forward(torch.nn.Module):
@@ -29,24 +30,6 @@ class Forward(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask):
         return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
-
-
-def timed(call, rounds: int = 5, iters: int = 10) -> float:
-    from exporter.targets.aoti_loader import capture
-
-    graph = capture(call)
-    graph.replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(rounds):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            graph.replay()
-        stop.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(stop) / iters)
-    return sorted(samples)[len(samples) // 2]
 
 
 def build(model, args, name: str, result: dict, out: Path) -> None:
@@ -74,7 +57,7 @@ def build(model, args, name: str, result: dict, out: Path) -> None:
         logits = runner(ids, mask)  # before the capture: a captured container runs only inside its graph
         logits = (logits[0] if isinstance(logits, (list, tuple)) else logits)[:, -1].float()
         row["last_logits_rms"] = float(logits.pow(2).mean().sqrt())
-        row["aoti_graph_ms"] = timed(lambda: runner(ids, mask))
+        row["aoti_graph_ms"] = timed(runner, ids, mask, iters=10)
     result[name] = row
     print(name, json.dumps(row), flush=True)
     (out / "prefill.json").write_text(json.dumps(result, indent=1))
