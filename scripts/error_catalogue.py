@@ -40,6 +40,24 @@ FOOTER = """
 | a target cannot be built (`torch.cummax` has no ONNX translation) | 4 | `onnx` is `failed` (`build failed: ...`, traceback in `logs/onnx.log`); `exported_program` and `aoti` are built, validated and timed; the manifest is written | `tests/test_convert.py::test_one_failing_target_loses_none_of_the_others` |
 | the disk fills while an artifact or the report is written | 5 | the run stops at once (no other target can be written either) and removes its staging folder | `the disk fills up mid-write` above (a 64 KiB tmpfs) |
 
+## What `exporter verify` and `exporter generate` refuse to load
+
+An output folder is untrusted input too ([check.md](check.md#threat-model)): `verify` re-hashes it, then refuses
+to load an artifact for these reasons, reports a failed check for it, goes on with the others and never says
+"verified". Each is pinned by a test that plants a harmless payload and asserts it never runs.
+
+| the folder holds | exit | what verify reports (`--json`: the artifact's failed check) | test |
+| --- | --- | --- | --- |
+| a `.pt2` program that needs a pickle (a pickled weight, constant or object) | 2 | `loads`: `not loaded: it holds pickled data (weight …), and loading it would run code from the file. Fix: … pass --allow-artifact-pickle if you trust whoever made it …` | `tests/check/test_untrusted.py::test_a_check_folder_with_a_pickle_swapped_in_is_not_loaded_by_verify` |
+| an AOTInductor package in an `exporter check` folder (another tool compiled it), without `--allow-native-code` | 2 | `loads`: `not loaded: an AOTInductor package another tool compiled; loading it runs its native code. Fix: pass --allow-native-code only if you trust whoever compiled it …` | `tests/check/test_check.py::test_an_aoti_package_made_elsewhere_passes` |
+| a `report.json` naming a module to import that is not one of transformers' ModelOutput modules | 2 | `loads`: `not loaded: report.json asks to import 'planted_spec' before loading it …` | `tests/check/test_untrusted.py::test_verify_imports_no_module_a_tampered_report_names` |
+| an artifact path or external-data file outside the folder, or not hashed by `manifest.json` | 6 | `files`: `not loaded: report.json names the file '../outside/model.pt2', a path outside its own folder …` | `tests/check/test_untrusted.py::test_verify_loads_no_artifact_outside_its_folder_or_its_manifest` |
+
+`exporter generate` reads a generation folder's programs as data the same way: a program that needs a pickle is
+refused with exit 2 (`error: prefill.pt2 holds pickled data (weight …): loading it would run code from the file.
+Fix: …`), and the payload never runs (`tests/generation/test_generate_and_verify.py::
+test_a_pickle_in_a_generation_program_never_runs`).
+
 Risky native code runs where a crash cannot take the run down: every artifact is loaded and run in its
 own process (`python -m exporter.child`). Exporting and compiling run in the convert process; their
 failures are Python exceptions, caught per target (the C++ compiler runs as its own process).

@@ -211,3 +211,22 @@ def test_a_batch_1_decode_program_without_its_target_or_task_is_refused():
     built = resolve_recipe("cpu-fp32", targets=("aoti",), settings=on, task="text-generation")
     assert built.generation.decode_batch_1
     assert resolve_recipe("cpu-fp32", targets=("exported_program",), settings=on).generation.decode_batch_1
+
+
+def test_nothing_a_checked_file_holds_runs_unless_a_recipe_or_flag_says_so(tmp_path):
+    """[trust] is false in every built-in recipe; --set (what --allow-native-code and --allow-artifact-pickle give)
+    turns a key on, typed like the file; recipe.json carries it back."""
+    import json
+
+    from exporter.recipe import apply_settings
+
+    for name in builtin_names():
+        trust = load_recipe(name).trust
+        assert not trust.native_code and not trust.artifact_pickle, name
+    opted = apply_settings(load_recipe("cpu-fp32"), ("trust.native_code=true",))
+    assert opted.trust.native_code and not opted.trust.artifact_pickle
+    with pytest.raises(RecipeError, match="trust.artifact_pickle: expected bool"):
+        apply_settings(load_recipe("cpu-fp32"), ("trust.artifact_pickle=yes",))
+    path = tmp_path / "recipe.json"
+    path.write_text(json.dumps(opted.to_dict()))
+    assert load_recipe(path).trust == opted.trust

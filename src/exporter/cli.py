@@ -322,14 +322,21 @@ Examples:
 @click.argument("out_dir", type=click.Path(path_type=str))
 @click.option("--junit", type=click.Path(path_type=str), default=None,
               help="Write JUnit XML to this file (one testcase per artifact and check).")
+@click.option("--allow-native-code", is_flag=True,
+              help="Also load an AOTInductor package that an exporter check folder holds (someone else compiled it; "
+                   "its shared library runs).")
+@click.option("--allow-artifact-pickle", is_flag=True,
+              help="Also load a .pt2 that needs unpickling (the pickle's code runs).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def verify(out_dir, junit, as_json):
+def verify(out_dir, junit, allow_native_code, allow_artifact_pickle, as_json):
     """Release gate: re-hash OUT_DIR against manifest.json, re-run every artifact on the stored reference
-    inputs and compare with the stored reference outputs. Needs no checkpoint."""
+    inputs and compare with the stored reference outputs. Needs no checkpoint. Runs no pickle, and no
+    package another tool compiled, unless allowed (docs/check.md, threat model)."""
     from .verification import summary
     from .verification import verify as run_verify
 
-    result = run_verify(out_dir, junit=junit)
+    result = run_verify(out_dir, junit=junit, allow_native_code=allow_native_code,
+                        allow_artifact_pickle=allow_artifact_pickle)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2, default=str))
     for line in result.problems:
@@ -412,7 +419,8 @@ Examples:
   optimum-cli export onnx --model ./my-model --task feature-extraction onnx-out/
   exporter check onnx-out/ --against ./my-model --junit reports/exporter-check.xml
   exporter check model.pt2 --against ./my-model --recipe h100-bf16 --out build/check
-  exporter check build/my-model/cpu-fp32 --against ./my-model
+  exporter check model.aoti.pt2 --against ./my-model --allow-native-code
+  exporter check build/my-model/cpu-fp32 --against ./my-model --allow-native-code
 
 \b
 """ + exit_codes_help("convert")
@@ -434,14 +442,23 @@ Examples:
 @click.option("--junit", type=click.Path(path_type=str), default=None,
               help="Also write a JUnit XML report: one case per artifact and check.")
 @click.option("--allow-pickle", is_flag=True, help="Load a pickle checkpoint with torch.load(weights_only=True).")
+@click.option("--allow-native-code", is_flag=True,
+              help="Load an AOTInductor package (its shared library runs): only one you trust. "
+                   "Recipe: [trust] native_code = true.")
+@click.option("--allow-artifact-pickle", is_flag=True,
+              help="Load a .pt2 whose weights, constants or objects are pickled (the pickle runs): only one you "
+                   "trust. Recipe: [trust] artifact_pickle = true.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress output.")
 @click.option("--json", "as_json", is_flag=True, help="Print report.json to stdout.")
-def check(artifact, checkpoint, recipe, out, factory, dims, settings, junit, allow_pickle, overwrite, quiet,
-          as_json):
+def check(artifact, checkpoint, recipe, out, factory, dims, settings, junit, allow_pickle, allow_native_code,
+          allow_artifact_pickle, overwrite, quiet, as_json):
     """Judge ARTIFACT (an ONNX file or Optimum export folder, a torch.export .pt2, an AOTInductor package, a
     transformers exporters folder, an exporter output folder) against the checkpoint it came from, with
-    convert's gate: float64 reference, tolerance rule, shape grid, first divergent module, timing."""
+    convert's gate: float64 reference, tolerance rule, shape grid, first divergent module, timing. Nothing in
+    ARTIFACT is executed unless allowed: no pickle, no compiled package (docs/check.md, threat model)."""
+    settings = tuple(settings) + (("trust.native_code=true",) if allow_native_code else ()) + \
+        (("trust.artifact_pickle=true",) if allow_artifact_pickle else ())
     checked(checkpoint, recipe, factory, dims, (), True, (), settings, None, combination=False)
     if not Path(artifact).exists():
         from .errors import UsageError

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,11 +59,19 @@ def flatten_outputs(result: Any) -> list[tuple[str, torch.Tensor]]:
                       "return a tensor, a tuple of tensors or a dict of tensors from forward()")
 
 
+SPEC_MODULES = re.compile(r"^transformers\.(modeling_outputs|models\.[a-z0-9_]+\.modeling_[a-z0-9_]+)$")
+
+
 def import_spec_types(modules: tuple[str, ...] | None) -> None:
-    """Import the modules whose pytree types a foreign program's call spec names, before it is deserialized."""
+    """Import the modules whose pytree types a foreign program's call spec names, before it is deserialized: only
+    transformers' ModelOutput modules (``SPEC_MODULES``), from the installed package; any other name is refused
+    (importing it would run code the artifact chose)."""
     import importlib  # noqa: PLC0415
 
     for module in modules or ():
+        if not SPEC_MODULES.match(module):
+            raise InputsError(f"the program's call spec names module {module!r}, which exporter does not import",
+                              "export it with tensors, tuples, dicts or transformers' ModelOutputs")
         with contextlib.suppress(ImportError):
             importlib.import_module(module)
 

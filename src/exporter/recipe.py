@@ -177,6 +177,15 @@ class ReportSection:
 
 
 @dataclass(frozen=True)
+class TrustSection:
+    """What ``exporter check`` may execute of the files it judges (docs/check.md, "Threat model"): nothing, unless
+    a key here says so. A recipe's own defaults never do."""
+
+    native_code: bool = False  # load an AOTInductor package someone else compiled (its shared library runs)
+    artifact_pickle: bool = False  # load a .pt2 whose weights, constants or objects are pickled (the pickle runs)
+
+
+@dataclass(frozen=True)
 class Recipe:
     name: str
     description: str = ""
@@ -190,6 +199,7 @@ class Recipe:
     report: ReportSection = field(default_factory=ReportSection)
     generation: GenerationSection = field(default_factory=GenerationSection)
     quantize: QuantizeSection = field(default_factory=QuantizeSection)
+    trust: TrustSection = field(default_factory=TrustSection)
     source: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -425,7 +435,8 @@ def _parse_tensors(items: Any, dims: tuple[Dim, ...], problems: _Problems) -> tu
 def parse_recipe(data: dict, name: str, source: str, problems: _Problems | None = None) -> Recipe:
     """Build a Recipe from parsed TOML, listing every problem at once."""
     p = problems or _Problems(source)
-    sections = {"model", "runtime", "targets", "inputs", "numerics", "bench", "report", "generation", "quantize"}
+    sections = {"model", "runtime", "targets", "inputs", "numerics", "bench", "report", "generation", "quantize",
+                "trust"}
     _unknown(data, {"schema_version", "description"} | sections, "", p)
     version = _get(data, "schema_version", int, None, "recipe", p)
     if version is None and "schema_version" not in data:
@@ -587,10 +598,14 @@ def parse_recipe(data: dict, name: str, source: str, problems: _Problems | None 
     if quantize.max_kl < 0.0:
         p.add("quantize.max_kl", f"must be non-negative, got {quantize.max_kl}")
 
+    t = table("trust")
+    _unknown(t, {f.name for f in dataclasses.fields(TrustSection)}, "trust", p)
+    trust = TrustSection(**{f.name: _get(t, f.name, bool, False, "trust", p) for f in dataclasses.fields(TrustSection)})
+
     p.raise_if_any()
     recipe = Recipe(name=name, description=description, schema_version=SCHEMA_VERSION, model=model,
                     runtime=runtime, targets=targets, inputs=inputs, numerics=numerics, bench=bench,
-                    report=report, generation=generation, quantize=quantize, source=source)
+                    report=report, generation=generation, quantize=quantize, trust=trust, source=source)
     return recipe
 
 
@@ -714,7 +729,7 @@ def recipe_from_dict(data: dict[str, Any], source: str = "recipe.json") -> Recip
 def _as_table(data: dict[str, Any]) -> dict[str, Any]:
     """``Recipe.to_dict()``'s shape turned into the TOML file's (what :func:`parse_recipe` reads)."""
     table: dict[str, Any] = {k: v for k, v in data.items() if k not in ("name", "source", "inputs") and v is not None}
-    for section in ("model", "runtime", "targets", "numerics", "bench", "report", "generation", "quantize"):
+    for section in ("model", "runtime", "targets", "numerics", "bench", "report", "generation", "quantize", "trust"):
         if isinstance(table.get(section), dict):
             table[section] = {k: v for k, v in table[section].items() if v is not None}
     inputs = data.get("inputs")

@@ -13,8 +13,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .checkpoint import load_model
 from .dtypes import torch_dtype
 from .environment import check_machine
@@ -32,6 +30,7 @@ from .quiet import quiet_libraries
 from .recipe import GENERATION_TASKS, recipe_from_dict
 from .results import FAILED, NUMERICS_FAILED, VariantResult, exit_code, problem_lines, ratio
 from .rewrite import rewrite_attention
+from .targets.program_file import load_program
 from .targets.spec import RunnerFailed
 from .verification import artifact_spec, device_problem, load_reference, out_folder, read_json
 
@@ -123,7 +122,7 @@ def validate_folder(out_dir: str | Path, *, locate: bool = False, targets: tuple
             if locate:
                 program = None
                 if (out / "model.pt2").is_file():
-                    program = torch.export.load(str(out / "model.pt2"))
+                    program = load_program(out / "model.pt2")
                 chosen = [r for r in results if r.numerics is not None and
                           (r.status == NUMERICS_FAILED or (targets and r.name in targets))]
                 with progress.stage("locate divergence", ", ".join(r.name for r in chosen) or "nothing failed"):

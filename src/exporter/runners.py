@@ -116,14 +116,28 @@ def _describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+def import_path() -> list[str]:
+    """The parent's ``sys.path`` for a child, less the working folder. A child loads files it was handed: a module
+    in the folder it was started from must never shadow an installed one (a foreign program's call spec names
+    transformers' modules, which the child imports). A user's ``--model`` factory puts the working folder back
+    itself (``checkpoint.architecture.import_factory``)."""
+    here = os.path.realpath(os.getcwd())
+    return [p for p in sys.path if p and os.path.realpath(p) != here]
+
+
+CHILD_PYTHON = [sys.executable, "-P"]  # -P: the working folder is not put on the child's import path
+
+
 def child_env(preload: str | None = None) -> dict[str, str]:
-    """The environment of a child: the parent's, its ``sys.path`` (then any ``PYTHONPATH`` entry set since the
-    parent started), passive OpenMP threads, and ``preload``."""
+    """The environment of a child: the parent's, its ``sys.path`` less the working folder (then any
+    ``PYTHONPATH`` entry set since the parent started), passive OpenMP threads, and ``preload``."""
     env = dict(os.environ)
     # Idle OpenMP threads in a child must not spin while another variant is being timed.
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    path = [p for p in sys.path if p]
-    path += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in path]
+    path = import_path()
+    here = os.path.realpath(os.getcwd())
+    path += [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+             if p and p not in path and os.path.realpath(p) != here]
     env["PYTHONPATH"] = os.pathsep.join(path)
     if preload:
         env["LD_PRELOAD"] = os.pathsep.join(p for p in (preload, env.get("LD_PRELOAD")) if p)
@@ -197,7 +211,7 @@ def start_child(env: dict[str, str], log: Path | None) -> tuple[subprocess.Popen
     out: Any = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - closed below, once the child has it
     try:
         process = subprocess.Popen(
-            [sys.executable, "-m", "exporter.child", str(child_sock.fileno())],
+            [*CHILD_PYTHON, "-m", "exporter.child", str(child_sock.fileno())],
             pass_fds=(child_sock.fileno(),), env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
             start_new_session=True)
     except BaseException:
@@ -323,7 +337,7 @@ class RemoteRunner:
             else:
                 self.process, self.conn, self.log = taken
             self.loads = [self]
-            self.conn.send((list(sys.path), spec))
+            self.conn.send((import_path(), spec))
         if wait:
             self.ready()
 
@@ -470,7 +484,7 @@ def run_session(folder: Path, target: str, log: Path, time_it: bool, steps: int 
     request.write_text(json.dumps({"folder": str(folder), "target": target, "time": time_it, "steps": steps}))
     try:
         with open(log, "ab") as out, scratch_env(child_env(preload)) as env:
-            process = subprocess.run([sys.executable, "-m", "exporter.generation.session", str(request), str(answer)],
+            process = subprocess.run([*CHILD_PYTHON, "-m", "exporter.generation.session", str(request), str(answer)],
                                      env=env, stdout=out, stderr=out, timeout=timeout_s, check=False)
         if not answer.is_file():
             ended = _describe_exit(process.returncode)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import tempfile
 import time
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,17 @@ import torch
 from safetensors.torch import load_file
 
 from . import junit as junit_mod
-from .errors import EXIT_ENVIRONMENT, EXIT_INTEGRITY, EXIT_NUMERICS, EXIT_OK, EXIT_TARGET, VERIFY_PRECEDENCE, UsageError
+from .check.untrusted import NATIVE_FIX, relative_name, spec_module_allowed
+from .errors import (
+    EXIT_ENVIRONMENT,
+    EXIT_INTEGRITY,
+    EXIT_NUMERICS,
+    EXIT_OK,
+    EXIT_TARGET,
+    EXIT_USAGE,
+    VERIFY_PRECEDENCE,
+    UsageError,
+)
 from .junit import Case
 from .numerics.compare import Accumulator, InFile, Source, read_stream, safetensors_index
 from .outdir import sha256_file
@@ -41,6 +52,7 @@ from .recipe import GENERATION_TASKS
 from .report import REPORT_SCHEMA_VERSION
 from .results import OutputCheck
 from .runners import RemoteRunner, RunnerFailed, run_session
+from .targets.program_file import PICKLE_FIX, pickled
 from .targets.spec import RunnerSpec
 from .targets.toolchain import aoti_preload
 
@@ -53,11 +65,12 @@ class Check:
     message: str = ""
     code: int = EXIT_OK  # the exit code a failure maps to
     seconds: float = 0.0
+    fix: str = ""  # where the exit code's own fix does not say it
 
     def line(self) -> str:
         """One line: what is wrong, and (for a failure) how to fix it."""
         text = f"{self.subject}: {self.message}" if self.subject != "folder" else self.message
-        fix = FIXES.get(self.code) if self.passed is False else None
+        fix = (self.fix or FIXES.get(self.code)) if self.passed is False else None
         return f"{text.rstrip('.')}. Fix: {fix}." if fix else text
 
 
@@ -115,15 +128,21 @@ def out_folder(out_dir: str | Path) -> Path:
     return out
 
 
-def artifact_spec(entry: dict[str, Any], out: Path, report: dict[str, Any]):
-    """The RunnerSpec that loads a recorded artifact as convert loaded it (rebuilt from report.json)."""
+LOAD_OPTIONS = ("named", "keywords", "positional", "outputs", "imports", "past", "provider")  # read from report.json
+
+
+def artifact_spec(entry: dict[str, Any], out: Path, report: dict[str, Any], allow_pickle: bool = False):
+    """The RunnerSpec that loads a recorded artifact as convert loaded it (rebuilt from report.json). What may run
+    is never read from the folder: a program is unpickled only where this verify allows it (``allow_pickle``)."""
     options: tuple = ()
     if entry["target"] == "onnx":
         options = (("provider", (entry.get("graph") or {}).get("provider") or "CPUExecutionProvider"),)
     elif entry["target"] == "aoti":
         options = (("ld_preload", aoti_preload()),)  # this machine's compiler libstdc++, as convert does
     load = (entry.get("info") or {}).get("load") or {}  # an artifact exporter check judged: loaded by name
-    options += tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in load.items())
+    options += tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in load.items() if k in LOAD_OPTIONS)
+    if allow_pickle:
+        options += (("pickle", True),)
     return RunnerSpec(entry["name"], entry["target"], entry["device"], entry["dtype"], path=str(out / entry["path"]),
                       options=options, attention_backend=(report.get("recipe") or {}).get("attention_backend", "auto"))
 
@@ -261,6 +280,61 @@ def compare_rerun(entry: dict[str, Any], runner, samples, references: list[list[
     return problems, count
 
 
+def _untrusted(out: Path, report: dict[str, Any], entry: dict[str, Any], listed: set[str],
+               allow: dict[str, bool]) -> Check | None:
+    """Why the artifact must not be loaded, before anything of it runs (None: it may be): a path that leaves the
+    folder or that the manifest does not hash (an ONNX model's external data included), a program that needs a
+    pickle, a package another tool compiled (a check folder's) without the user's opt-in."""
+    name = entry["name"]
+    files = [str(f.get("path", "")) for f in entry.get("files") or []]
+    try:
+        path = relative_name(str(entry["path"]), "report.json")
+        for file in files:
+            relative_name(file, "report.json")
+        if str(path) not in files or not set(files) <= listed:
+            raise UsageError(f"{path} is not among the files manifest.json hashes for it", "")
+        external = []
+        if entry["target"] == "onnx":
+            import onnx  # noqa: PLC0415
+
+            from .check.artifacts import onnx_files  # noqa: PLC0415
+
+            proto = onnx.load(str(out / path), load_external_data=False)
+            external = [str(f.relative_to(out)) for f in onnx_files(out / path, proto)]
+        stray = [f for f in external if f not in files]
+        if stray:
+            raise UsageError(f"{path} reads {stray[0]}, which manifest.json does not hash for it", "")
+    except UsageError as exc:
+        return Check(name, "files", False, f"not loaded: {exc.message}", EXIT_INTEGRITY)
+    except Exception as exc:  # noqa: BLE001 - an unreadable model is the loader's to report; refuse it here
+        return Check(name, "files", False, f"not loaded: {path} is not readable ({type(exc).__name__})",
+                     EXIT_INTEGRITY)
+    imports = [str(m) for m in ((entry.get("info") or {}).get("load") or {}).get("imports") or []]
+    stray_imports = [m for m in imports if not spec_module_allowed(m)]
+    if stray_imports:
+        return Check(name, "loads", False, f"not loaded: report.json asks to import {stray_imports[0]!r} before "
+                     "loading it; exporter imports only transformers' ModelOutput modules", EXIT_USAGE,
+                     fix="check the artifact again with exporter check, which reads its call spec itself")
+    if entry["target"] == "aoti" and report.get("task") == "check" and not allow["native_code"]:
+        return Check(name, "loads", False, "not loaded: an AOTInductor package another tool compiled; loading it "
+                     "runs its native code", EXIT_USAGE, fix=NATIVE_FIX.replace(" (recipe: [trust] native_code = true)",
+                                                                           ""))
+    if entry["target"] == "exported_program" and not allow["artifact_pickle"]:
+        what = [w for f in files if f.endswith(".pt2") for w in _pickled(out / f)]
+        if what:
+            return Check(name, "loads", False, f"not loaded: it holds pickled data ({', '.join(what[:3])}), and "
+                         "loading it would run code from the file", EXIT_USAGE,
+                         fix=PICKLE_FIX.replace(" (recipe: [trust] artifact_pickle = true)", ""))
+    return None
+
+
+def _pickled(path: Path) -> list[str]:
+    try:
+        return pickled(path)
+    except (OSError, ValueError, zipfile.BadZipFile):
+        return []  # not an archive: the loader reports it
+
+
 def _cannot_load_here(entry: dict[str, Any], result: VerifyResult) -> bool:
     """Whether the artifact needs a device this machine lacks (recorded as a failed load)."""
     problem = device_problem(entry["device"])
@@ -271,7 +345,7 @@ def _cannot_load_here(entry: dict[str, Any], result: VerifyResult) -> bool:
 
 
 def _rerun(out: Path, report: dict[str, Any], entry: dict[str, Any], samples, reference, result: VerifyResult,
-           timeout_s: float) -> None:
+           timeout_s: float, allow_pickle: bool = False) -> None:
     name = entry["name"]
     if _cannot_load_here(entry, result):
         return
@@ -281,7 +355,7 @@ def _rerun(out: Path, report: dict[str, Any], entry: dict[str, Any], samples, re
         return
     t0 = time.perf_counter()
     try:
-        runner = RemoteRunner(artifact_spec(entry, out, report), timeout_s=timeout_s)
+        runner = RemoteRunner(artifact_spec(entry, out, report, allow_pickle), timeout_s=timeout_s)
     except RunnerFailed as exc:
         result.checks.append(Check(name, "loads", False, f"no longer loads: {exc.reason}", EXIT_TARGET,
                                    time.perf_counter() - t0))
@@ -304,15 +378,19 @@ def _rerun(out: Path, report: dict[str, Any], entry: dict[str, Any], samples, re
     result.checks.append(Check(name, "numerics", not problems, message, EXIT_NUMERICS, time.perf_counter() - t0))
 
 
-def verify(out_dir: str | Path, *, junit: str | Path | None = None, timeout_s: float = 3600.0) -> VerifyResult:
-    """Check an output folder against its manifest and re-run every artifact on the stored reference inputs."""
+def verify(out_dir: str | Path, *, junit: str | Path | None = None, timeout_s: float = 3600.0,
+           allow_native_code: bool = False, allow_artifact_pickle: bool = False) -> VerifyResult:
+    """Check an output folder against its manifest and re-run every artifact on the stored reference inputs.
+    Nothing runs that the folder alone says may: a program that needs a pickle is loaded only with
+    ``allow_artifact_pickle``, an AOTInductor package of an ``exporter check`` folder (another tool compiled it)
+    only with ``allow_native_code``; every file loaded lies in the folder and is hashed by its manifest."""
     out = out_folder(out_dir)
     if junit is not None:
         junit_mod.check_writable(junit)
     t_start = time.perf_counter()
     result = VerifyResult(out)
     try:
-        _verify(out, result, timeout_s)
+        _verify(out, result, timeout_s, {"native_code": allow_native_code, "artifact_pickle": allow_artifact_pickle})
     finally:
         result.seconds = time.perf_counter() - t_start
         if junit is not None:
@@ -320,7 +398,7 @@ def verify(out_dir: str | Path, *, junit: str | Path | None = None, timeout_s: f
     return result
 
 
-def _verify(out: Path, result: VerifyResult, timeout_s: float) -> None:
+def _verify(out: Path, result: VerifyResult, timeout_s: float, allow: dict[str, bool]) -> None:
     manifest_path = out / "manifest.json"
     if not manifest_path.is_file():
         result.checks.append(Check("folder", "manifest", False,
@@ -377,10 +455,14 @@ def _verify(out: Path, result: VerifyResult, timeout_s: float) -> None:
         if any(f["path"] in bad for f in entry.get("files") or []):
             result.checks.append(Check(name, "loads", None, "not run: its files do not match manifest.json"))
             continue
+        refused = _untrusted(out, report, entry, {str(f.get("path")) for f in manifest["files"]}, allow)
+        if refused is not None:
+            result.checks.append(refused)
+            continue
         if generation:
             _rerun_generation(out, entry, result, timeout_s)
         else:
-            _rerun(out, report, entry, samples, reference, result, timeout_s)
+            _rerun(out, report, entry, samples, reference, result, timeout_s, allow["artifact_pickle"])
 
 
 VERIFY_STEPS = 4  # decode steps a verify re-runs (teacher-forced and free), against the stored bars

@@ -200,11 +200,24 @@ def test_an_aoti_package_made_elsewhere_passes(tiny_models, tmp_path):
     package = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "bert.aoti.pt2"))
     (artifact,) = find_artifacts(Path(package))
     assert artifact.target == "aoti" and [p.name for p in artifact.inputs] == ["input_ids", "attention_mask"]
-    done = run_check(package, "--against", tiny_models["bert"], "--out", tmp_path / "out")
+    refused = run_check(package, "--against", tiny_models["bert"], "--out", tmp_path / "out")
+    assert refused.returncode == 2 and "--allow-native-code" in refused.stderr, refused.stderr[-3000:]
+    done = run_check(package, "--against", tiny_models["bert"], "--out", tmp_path / "out", "--allow-native-code")
     assert done.returncode == 0, done.stderr[-3000:]
-    verified = subprocess.run([sys.executable, "-m", "exporter", "verify", str(tmp_path / "out")],
-                              capture_output=True, text=True, check=False)
+    verify = [sys.executable, "-m", "exporter", "verify", str(tmp_path / "out")]
+    verified = subprocess.run([*verify, "--allow-native-code"], capture_output=True, text=True, check=False)
     assert verified.returncode == 0, verified.stderr[-2000:]
+    # verify runs another tool's package only with the same opt-in; a package swapped in never runs without it
+    unasked = subprocess.run(verify, capture_output=True, text=True, check=False)
+    assert unasked.returncode == 2 and "another tool compiled" in unasked.stderr, unasked.stderr[-2000:]
+    from exporter.testing.payloads import native_package, rehash
+
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    marker = tmp_path / "ran"
+    native_package(tmp_path / "out" / report["artifacts"][0]["path"], marker, wrapper_from=Path(package))
+    rehash(tmp_path / "out")
+    swapped = subprocess.run(verify, capture_output=True, text=True, check=False)
+    assert swapped.returncode == 2 and not marker.exists(), swapped.stderr[-2000:]
 
 
 def test_a_transformers_exporters_folder_passes(tiny_models, tmp_path):
@@ -302,13 +315,17 @@ def test_a_static_artifact_pins_the_dims_and_says_so(tiny_models):
 
 
 def test_a_symlinked_optimum_folder_judges_its_model_onnx_only(optimum, tiny_models, tmp_path):
-    """A hub cache's snapshot is a folder of symlinks; a quantized variant beside model.onnx is left out, noted."""
-    linked = tmp_path / "snapshot"
-    linked.mkdir()
-    for file in optimum["bert"].iterdir():
-        (linked / file.name).symlink_to(file)
-    shutil.copy(optimum["bert"] / "model.onnx", tmp_path / "model_quantized.onnx")
-    (linked / "model_quantized.onnx").symlink_to(tmp_path / "model_quantized.onnx")
+    """A hub cache's snapshot is a folder of symlinks into the repository's blobs/; a quantized variant beside
+    model.onnx is left out, noted."""
+    repo = tmp_path / "models--org--bert"
+    (repo / "blobs").mkdir(parents=True)
+    linked = repo / "snapshots" / "rev"
+    linked.mkdir(parents=True)
+    for index, file in enumerate(optimum["bert"].iterdir()):
+        shutil.copy(file, repo / "blobs" / f"blob{index}")
+        (linked / file.name).symlink_to(Path("../../blobs") / f"blob{index}")
+    shutil.copy(optimum["bert"] / "model.onnx", repo / "blobs" / "quantized")
+    (linked / "model_quantized.onnx").symlink_to(Path("../../blobs/quantized"))
     (artifact,) = find_artifacts(linked)
     assert artifact.path.name == "model.onnx" and any("left out: model_quantized.onnx" in n for n in artifact.notes)
     done = run_check(linked, "--against", tiny_models["bert"], "--out", tmp_path / "out")

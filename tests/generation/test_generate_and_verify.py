@@ -67,3 +67,27 @@ def test_verify_fails_a_changed_reference(llama_generation, tmp_path):
     (copy / "generation.json").write_text(json.dumps(setup))
     result = verify(copy)
     assert not result.passed and result.exit_code == 6
+
+
+def test_a_pickle_in_a_generation_program_never_runs(llama_generation, generate_cli, tmp_path):
+    """generate and verify read a folder's programs as data: a pickle planted in one (and its manifest rewritten
+    to match, as anyone who can write the folder can) is refused by both, and never runs."""
+    import shutil
+
+    from exporter.testing.payloads import pickle_program, rehash
+
+    copy = tmp_path / "copy"
+    shutil.copytree(llama_generation.out, copy)
+    marker = tmp_path / "ran"
+    clean = tmp_path / "prefill.pt2"
+    shutil.copy(copy / "prefill.pt2", clean)
+    pickle_program(clean, copy / "prefill.pt2", marker, "weight")
+    rehash(copy)
+    done = generate_cli(str(copy), "--target", "exported_program", "--input-ids", "1,2,3")
+    assert done.returncode == 2 and "holds pickled data" in done.stderr, done.stderr[-2000:]
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    result = verify(copy)
+    refused = [c for c in result.checks if c.subject == "exported_program" and c.passed is False]
+    assert refused and "pickled data" in refused[0].message, result.problems
+    assert {c.subject for c in result.checks if c.name == "numerics" and c.passed} == {"aoti", "onnx"}
+    assert not marker.exists()

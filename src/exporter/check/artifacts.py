@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
+from .untrusted import relative_name, spec_module_allowed
 
 Axis = int | str | None  # a fixed size, a named dynamic dim, or unknown
 
@@ -60,6 +61,7 @@ class Artifact:
     call: str = "positional"  # how it takes its inputs: positional, or keyword (by name, after ``positional``)
     positional: int = 0  # with call "keyword": how many inputs come first, by position
     imports: tuple[str, ...] = ()  # modules whose pytree types its call spec names (ModelOutput classes)
+    pickle: bool = False  # a .pt2 that needs unpickling, loaded because the user allowed it ([trust] artifact_pickle)
     past: Past | None = None
     notes: list[str] = field(default_factory=list)
     computes: str | None = None  # the dtype its weights are in, where it differs from its inputs' and outputs'
@@ -91,12 +93,12 @@ def _onnx_port(value: Any) -> Port:
 
 
 def onnx_files(path: Path, proto: Any) -> list[Path]:
-    """The model file and the external data files it names."""
+    """The model file and the external data files it names (each a plain relative name: a UsageError otherwise)."""
     files = [path]
     for tensor in proto.graph.initializer:
         for entry in tensor.external_data:
             if entry.key == "location":
-                extra = path.parent / entry.value
+                extra = path.parent / relative_name(entry.value, f"{path.name} (external data of {tensor.name})")
                 if extra not in files:
                     files.append(extra)
     return files
@@ -161,15 +163,23 @@ def _out_names(serialized: str) -> list[str] | None:
     return [str(k) for k in keys] if isinstance(keys, list) else None
 
 
-def spec_modules(*serialized: str | None) -> tuple[str, ...]:
+def spec_modules(*serialized: str | None, path: Path | None = None) -> tuple[str, ...]:
     """The modules defining the types a serialized call spec names (transformers' ModelOutput classes register
-    their pytree node when their module is imported; builtins and torch need nothing)."""
+    their pytree node when their module is imported; builtins and torch need nothing). A type from any other
+    module is refused (a UsageError naming ``path``): importing it would run code the artifact chose."""
     found = []
     for text in serialized:
-        for name in re.findall(r'"type": "([\w.]+)"', text or ""):
+        for name in re.findall(r'"type": "([^"]+)"', text or ""):
             module = name.rpartition(".")[0]
-            if module and module.split(".")[0] not in ("builtins", "collections", "torch") and module not in found:
-                found.append(module)
+            if not module or module.split(".")[0] in ("builtins", "collections", "torch") or module in found:
+                continue
+            if not spec_module_allowed(module):
+                where = path.name if path is not None else "the program"
+                raise UsageError(f"{where}'s call spec names the type {name}, which exporter does not import (only "
+                                 "transformers' ModelOutput classes): importing it would run code the file chose",
+                                 "export the program with tensors, tuples, dicts or transformers' ModelOutputs as its "
+                                 "inputs and outputs")
+            found.append(module)
     return tuple(found)
 
 
@@ -219,7 +229,7 @@ def describe_program(path: Path, archive: zipfile.ZipFile, made_by: str, name: s
               if "parameter" in s]
     artifact = Artifact(name, "exported_program", path, made_by, inputs, outputs, [path],
                         call="keyword" if keywords else "positional", positional=positional if keywords else 0,
-                        imports=spec_modules(in_spec, out_spec))
+                        imports=spec_modules(in_spec, out_spec, path=path))
     floats = [SERIALIZED_TYPES.get(d) for d in params if SERIALIZED_TYPES.get(d, "").startswith(("float", "bf"))]
     if floats and not any(p.dtype and p.dtype.startswith(("float", "bf")) for p in inputs):
         artifact.outputs = [Port(p.name, p.dtype or floats[0], p.axes, p.bounds) for p in outputs]
@@ -241,13 +251,18 @@ def describe_package(path: Path, archive: zipfile.ZipFile, made_by: str, name: s
     call = "positional"
     positional = 0
     if in_spec:
-        keywords, positional = _spec_names(in_spec)
+        try:
+            keywords, positional = _spec_names(in_spec)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise UsageError(f"{path} holds an AOTInductor package whose call spec is not readable",
+                             "pass the package as torch._inductor.aoti_compile_and_package wrote it") from None
         inputs = [Port(f"arg{i}", None, None) for i in range(positional)] + [Port(n, None, None) for n in keywords]
         call = "keyword" if keywords else "positional"
     if out_spec:
         outputs = [Port(n, None, None) for n in (_out_names(out_spec) or [])]
     artifact = Artifact(name, "aoti", path, made_by, inputs, outputs, [path], call=call,
-                        positional=positional if call == "keyword" else 0, imports=spec_modules(in_spec, out_spec))
+                        positional=positional if call == "keyword" else 0,
+                        imports=spec_modules(in_spec, out_spec, path=path))
     artifact.notes.append("an AOTInductor package declares its argument names but not its shapes or dtype: it is "
                           "run at the recipe's shapes and judged in the recipe's dtype")
     return artifact
@@ -298,14 +313,15 @@ def _exporter_folder(folder: Path) -> list[Artifact]:
         path = entry.get("path")
         if not path or entry.get("target") not in ("onnx", "exported_program", "aoti") or entry.get("replays"):
             continue
-        file = folder / path
+        file = folder / relative_name(path, f"{folder.name}/report.json")
         if not file.is_file() or any(a.path == file for a in found):
             continue
         made_by = "exporter"
         artifact = (describe_onnx(file, made_by, entry["name"]) if entry["target"] == "onnx"
                     else describe_pt2(file, made_by, entry["name"]))
         # every file the run recorded for it (an AOTInductor package's weights kept beside it, ONNX data)
-        recorded = [folder / f["path"] for f in entry.get("files") or [] if (folder / f["path"]).is_file()]
+        recorded = [folder / relative_name(f["path"], f"{folder.name}/report.json") for f in entry.get("files") or []]
+        recorded = [f for f in recorded if f.is_file()]
         names = report.get("outputs") or []
         if names and len(artifact.outputs) == len(names):  # the run's own names for a tuple's outputs
             artifact.outputs = [Port(n, p.dtype, p.axes, p.bounds) for n, p in zip(names, artifact.outputs)]
@@ -335,7 +351,7 @@ def find_artifacts(path: Path) -> list[Artifact]:
         manifest = json.loads((path / TRANSFORMERS_MANIFEST).read_text(encoding="utf-8"))
         components: list[Artifact] = []
         for component, entry in (manifest.get("components") or {}).items():
-            file = path / entry["file"]
+            file = path / relative_name(entry["file"], f"{path.name}/{TRANSFORMERS_MANIFEST}")
             if file.suffix == ".onnx":
                 components.append(_with_past(describe_onnx(file, "transformers.exporters", f"onnx:{component}")))
             elif file.suffix == ".pt2":

@@ -3,9 +3,11 @@
     describe the artifact -> load the checkpoint -> map inputs and outputs by name -> float64 reference
     -> eager baseline -> run the artifact in its own process -> shape grid -> locate -> benchmark -> report
 
-Nothing is built. The artifact's files are copied into the output folder first (hard-linked where the file
-system allows), so what was judged is exactly what ``manifest.json`` hashes and ``exporter verify`` re-runs
-later. The gate is convert's (``numerics/``): a float64 run of the checkpoint's model on the recipe's device,
+Nothing is built, and nothing it is handed runs without the user's opt-in (``check/untrusted.py``: no pickle,
+no package's native code, no module the artifact names, no file from outside the judged folder). The artifact's
+files are copied into the output folder first (never hard-linked), so what was judged is exactly what
+``manifest.json`` hashes and ``exporter verify`` re-runs later. The gate is convert's (``numerics/``): a float64
+run of the checkpoint's model on the recipe's device,
 ``rmse <= k * s(n) * rmse(eager in the artifact's dtype) + floor`` per sample and output, the shape grid within the
 artifact's own dynamic dims, the first divergent module (ONNX: its intermediate values, by module scope;
 ``.pt2``: its unflattened submodules). A decoder with past (Optimum's ``text-generation-with-past``) is judged
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -37,11 +38,13 @@ from ..progress import Progress
 from ..quiet import quiet_libraries
 from ..recipe import GENERATION_TASKS, Recipe, public_source, resolve_recipe
 from ..results import NUMERICS_FAILED, RunResult, VariantResult, ratio
+from ..targets.program_file import PickleRefused, pickled
 from ..targets.spec import RunnerSpec
 from .artifacts import Artifact, find_artifacts
 from .locating import locate_artifact
 from .mapping import map_inputs, map_outputs
 from .past import INPUTS, PastSteps, output_names, past_recipe
+from .untrusted import Folder, copy_in, refuse_native_code
 
 FOLDER = "artifact"  # where the judged files are kept in the output folder
 
@@ -53,27 +56,29 @@ def default_out(artifact: Path, recipe: Recipe) -> Path:
     return Path("artifacts") / model_name(artifact) / f"check-{recipe.name}"
 
 
-def keep(artifact: Artifact, staging: Path, source_root: Path) -> tuple[Path, list[Path]]:
-    """Copy (hard-link where possible) the artifact's files into ``staging/artifact``, under the names they have
-    beside it (a symlinked file, as in a hub cache's snapshot, is copied as what it points to): its path there
-    (relative to ``staging``) and every file it reads there."""
-    base = source_root if source_root.is_dir() else source_root.parent
-
-    def inside(file: Path) -> Path:
-        return Path(os.path.abspath(file)).relative_to(base)
-
+def keep(artifact: Artifact, staging: Path, folder: Folder) -> tuple[Path, list[Path]]:
+    """Copy the artifact's files into ``staging/artifact``, under the names they have beside it (a symlinked file,
+    as in a hub cache's snapshot, is copied as what it points to; never hard-linked): its path there (relative to
+    ``staging``) and every file it reads there. A file outside the judged folder is refused (``folder``)."""
     kept = []
     for file in dict.fromkeys(artifact.files + ([artifact.past.prefill] if artifact.past else [])):
-        target = staging / FOLDER / inside(file)
+        target = staging / FOLDER / folder.inside(file)
         kept.append(target)
-        if target.exists():
-            continue
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(os.path.realpath(file), target)
-        except OSError:
-            shutil.copy2(file, target)
-    return (staging / FOLDER / inside(artifact.path)).relative_to(staging), kept
+        if not target.exists():
+            copy_in(file, target)
+    return (staging / FOLDER / folder.inside(artifact.path)).relative_to(staging), kept
+
+
+def refuse_what_would_run(artifacts: list[Artifact], recipe: Recipe) -> None:
+    """Before anything is copied or run: a package's native code and a program's pickles need the user's opt-in
+    (``[trust]``); the opt-in a program was loaded with is recorded on it, for ``exporter verify``."""
+    refuse_native_code([a.path.name for a in artifacts if a.target == "aoti"], recipe.trust.native_code)
+    for artifact in artifacts:
+        if artifact.target == "exported_program":
+            what = pickled(artifact.path)
+            if what and not recipe.trust.artifact_pickle:
+                raise PickleRefused(artifact.path, what)
+            artifact.pickle = bool(what)
 
 
 def runner_spec(artifact: Artifact, path: Path, device: str, dtype: str, signature: Signature,
@@ -83,6 +88,8 @@ def runner_spec(artifact: Artifact, path: Path, device: str, dtype: str, signatu
         options += [("keywords", tuple(signature.inputs[artifact.positional:])), ("positional", artifact.positional)]
     if artifact.imports:
         options.append(("imports", artifact.imports))
+    if artifact.pickle:
+        options.append(("pickle", True))
     if artifact.past is not None:
         options.append(("past", (artifact.past.layers, artifact.past.prefill.name, artifact.past.merged)))
     if artifact.target == "onnx":
@@ -145,9 +152,14 @@ def check(artifact: str | Path, against: str | Path, recipe: str | Path | Recipe
     if resolved == source.resolve() or source.resolve().is_relative_to(resolved) or source.is_relative_to(resolved):
         raise UsageError(f"--out {final} holds the artifact being checked", "write the check to another folder")
     artifacts = find_artifacts(artifact_path)
+    judged = Folder(artifact_path)
+    for found in artifacts:  # every file it reads lies in the judged folder, before anything is read whole
+        for file in [*found.files, *([found.past.prefill] if found.past else [])]:
+            judged.check(file)
+    refuse_what_would_run(artifacts, recipe_obj)
     with interrupts.watch(), quiet_libraries(), OutputFolder(final, overwrite=overwrite,
                                                              keep_clear=checkpoint) as folder:
-        run = CheckRun(artifacts, source, checkpoint, recipe_obj, folder.staged, allow_pickle, progress)
+        run = CheckRun(artifacts, judged, checkpoint, recipe_obj, folder.staged, allow_pickle, progress)
         try:
             data, files = run.execute()
             data["run"] = {"command": public_command(command) if command else None, "settings": list(settings)}
@@ -171,10 +183,11 @@ def check(artifact: str | Path, against: str | Path, recipe: str | Path | Recipe
 
 
 class CheckRun:
-    def __init__(self, artifacts: list[Artifact], source: Path, checkpoint: Path, recipe: Recipe, staging: Path,
+    def __init__(self, artifacts: list[Artifact], judged: Folder, checkpoint: Path, recipe: Recipe, staging: Path,
                  allow_pickle: bool, progress: Progress):
         self.artifacts = artifacts
-        self.source = source
+        self.judged = judged
+        self.source = judged.given
         self.checkpoint = checkpoint
         self.recipe = recipe
         self.staging = staging
@@ -246,7 +259,7 @@ class CheckRun:
             validation.set_baseline(device, dtype, eager)
             live["eager"] = eager
             for artifact in self.artifacts:
-                path, kept = keep(artifact, self.staging, self.source)
+                path, kept = keep(artifact, self.staging, self.judged)
                 own = artifact.dtype or dtype
                 result = VariantResult(artifact.target, artifact.name, path=path, device=device, dtype=own)
                 result.notes += artifact.notes
@@ -265,7 +278,7 @@ class CheckRun:
                 # how verify loads it again: by name, as here
                 result.info["load"] = {k: list(v) if isinstance(v, tuple) else v for k, v in spec.options
                                        if k in ("named", "keywords", "positional", "outputs", "imports", "past",
-                                                  "provider")}
+                                                  "provider", "pickle")}
                 results.append(result)
                 runner = validation.remote(result, spec)
                 if runner is not None:

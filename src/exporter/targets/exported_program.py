@@ -25,6 +25,7 @@ from ..modelio import import_spec_types, named_call
 from ..rewrite.graph_facts import count_graph_ops
 from ..rewrite.transformers_masks import positions_from_model, trivial_masks_skipped
 from .context import BuildContext, Built, DecoderPrograms
+from .program_file import load_program
 from .spec import DecoderLoaded, Loaded, RunnerSpec
 
 if TYPE_CHECKING:
@@ -109,7 +110,7 @@ def build(ctx: BuildContext) -> list[Built]:
 
 def load(spec: RunnerSpec) -> Loaded:
     import_spec_types(spec.option("imports"))  # a foreign program's ModelOutput types, registered first
-    program = torch.export.load(spec.file())
+    program = load_program(spec.file(), allow_pickle=bool(spec.option("pickle")))  # nothing unpickled unless allowed
     module = program.module()
     # a program another tool exported (exporter check): called by name, its outputs picked by name
     inner = named_call(module, spec.option("keywords"), spec.option("outputs"),
@@ -136,7 +137,7 @@ def build_decoder(programs: DecoderPrograms, recipe: Recipe, files: tuple[Path, 
 
 
 def load_decoder(files: tuple[Path, ...]) -> DecoderLoaded:
-    prefill, decode = (torch.export.load(str(path)).module() for path in files)
+    prefill, decode = (load_program(path).module() for path in files)
     return DecoderLoaded(prefill, decode)
 
 

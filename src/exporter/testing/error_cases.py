@@ -662,6 +662,96 @@ def _(tmp, a):
                 out=tmp / "out")
 
 
+def _linear_program(tmp: Path, named_output: bool = False) -> Path:
+    """A small torch.export ``.pt2`` (a linear; its output a transformers ModelOutput where ``named_output``)."""
+
+    class Linear(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, input_ids):
+            out = self.proj(input_ids.float())
+            if named_output:
+                from transformers.modeling_outputs import BaseModelOutput
+
+                return BaseModelOutput(last_hidden_state=out)
+            return out
+
+    path = tmp / "made" / "model.pt2"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.export.save(torch.export.export(Linear(), (torch.zeros(2, 4, dtype=torch.long),)), str(path))
+    return path
+
+
+@case("exporter check", "a .pt2 that needs a pickle (a pickled weight)")
+def _(tmp, a):
+    from .payloads import pickle_program
+
+    planted = pickle_program(_linear_program(tmp), tmp / "model.pt2", tmp / "ran", "weight")
+    return Case("a .pt2 that needs a pickle (a pickled weight)", "exporter check", check_argv(planted, a, tmp), 2,
+                "holds pickled data", out=tmp / "out")
+
+
+@case("exporter check", "an AOTInductor package without --allow-native-code")
+def _(tmp, a):
+    from .payloads import native_package
+
+    planted = native_package(tmp / "model.aoti.pt2", tmp / "ran")
+    return Case("an AOTInductor package without --allow-native-code", "exporter check", check_argv(planted, a, tmp),
+                2, "--allow-native-code", out=tmp / "out")
+
+
+@case("exporter check", "a call spec naming a module outside transformers")
+def _(tmp, a):
+    from .payloads import spec_module_program
+
+    planted = spec_module_program(_linear_program(tmp, named_output=True), tmp / "model.pt2", "planted_spec",
+                                  tmp / "ran", [tmp])
+    return Case("a call spec naming a module outside transformers", "exporter check", check_argv(planted, a, tmp), 2,
+                "which exporter does not import", out=tmp / "out")
+
+
+def _onnx_with_data(folder: Path, location: str) -> Path:
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    folder.mkdir(parents=True, exist_ok=True)
+    weight = numpy_helper.from_array(np.ones((4, 4), dtype=np.float32), "weight")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "weight"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])], [weight])
+    path = folder / "model.onnx"
+    onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), str(path),
+                    save_as_external_data=True, location="model.onnx.data", size_threshold=0)
+    if location != "model.onnx.data":
+        proto = onnx.load(str(path), load_external_data=False)
+        for entry in proto.graph.initializer[0].external_data:
+            if entry.key == "location":
+                entry.value = location
+        onnx.save_model(proto, str(path))
+    return path
+
+
+@case("exporter check", "an ONNX external-data name outside its folder")
+def _(tmp, a):
+    path = _onnx_with_data(tmp / "export", "../elsewhere/model.onnx.data")
+    return Case("an ONNX external-data name outside its folder", "exporter check", check_argv(path, a, tmp), 2,
+                "a path outside its own folder", out=tmp / "out")
+
+
+@case("exporter check", "a file linked from outside the judged folder")
+def _(tmp, a):
+    path = _onnx_with_data(tmp / "export", "model.onnx.data")
+    secret = tmp / "elsewhere" / "secret"
+    secret.parent.mkdir()
+    (path.parent / "model.onnx.data").rename(secret)
+    (path.parent / "model.onnx.data").symlink_to(secret)
+    return Case("a file linked from outside the judged folder", "exporter check", check_argv(path.parent, a, tmp), 2,
+                "outside the judged folder", out=tmp / "out")
+
+
 # --------------------------------------------------------------------------- exporter batch
 
 
