@@ -396,14 +396,14 @@ def generate(out_dir, target, input_ids, features, max_new_tokens, as_json):
     preload = aoti_preload() if target in TARGET_NAMES and get_target(target).preload else None
     if preload and preload not in os.environ.get("LD_PRELOAD", ""):
         # an AOTInductor package loads with the compiler's libstdc++ first (targets/toolchain.py): run in a child
-        from .runners import child_env, scratch_env
+        from .runners import CHILD_PYTHON, child_env, scratch_env
 
         argv = ["generate", out_dir, "--target", target, *[f"--input-ids={t}" for t in input_ids]]
         argv += [f"--max-new-tokens={max_new_tokens}"] if max_new_tokens is not None else []
         argv += [f"--input-features={features}"] if features is not None else []
         argv += ["--json"] if as_json else []
         with scratch_env(child_env(preload)) as env:
-            done = subprocess.run([sys.executable, "-m", "exporter", *argv], env=env, check=False)
+            done = subprocess.run([*CHILD_PYTHON, "-m", "exporter", *argv], env=env, check=False)
         sys.exit(done.returncode)
     generated = generate_tokens(out_dir, target, _token_rows(input_ids), max_new_tokens, features)
     if as_json:

@@ -136,6 +136,7 @@ class VariantResult:
     info: dict[str, Any] = field(default_factory=dict)
     static_shapes: bool = False  # a benchmark variant (compile modes, a CUDA graph): judged at the samples only
     replays: str | None = None  # the variant whose artifact this one runs: it fails where that one fails
+    proofs: dict[str, Any] = field(default_factory=dict)  # proofs beyond the outputs' (weights: numerics/weights.py)
 
     def fail(self, status: str, error: str) -> None:
         self.status = status

@@ -32,7 +32,7 @@ from .results import FAILED, NUMERICS_FAILED, VariantResult, exit_code, problem_
 from .rewrite import rewrite_attention
 from .targets.program_file import load_program
 from .targets.spec import RunnerFailed
-from .verification import artifact_spec, device_problem, load_reference, out_folder, read_json
+from .verification import artifact_spec, device_problem, load_reference, out_folder, read_json, untrusted_entry
 
 
 def _check_checkpoint(manifest: dict[str, Any], checkpoint: Path) -> None:
@@ -63,6 +63,7 @@ def validate_folder(out_dir: str | Path, *, locate: bool = False, targets: tuple
     if not (out / "manifest.json").is_file():
         raise UsageError(f"{out} has no manifest.json: the convert run never finished", "run exporter convert again")
     manifest, report = read_json(out / "manifest.json"), read_json(out / "report.json")
+    listed = {str(f.get("path")) for f in manifest.get("files") or []}
     if report.get("task") in GENERATION_TASKS:
         raise UsageError(f"{out} holds generation programs; exporter validate re-checks forward artifacts only",
                          f"run exporter verify {out} (it re-runs a short generation against the stored reference), "
@@ -108,6 +109,11 @@ def validate_folder(out_dir: str | Path, *, locate: bool = False, targets: tuple
                     result = VariantResult(entry["target"], entry["name"], path=Path(entry["path"]),
                                            device=entry["device"], dtype=entry["dtype"])
                     results.append(result)
+                    refused = untrusted_entry(out, report, entry, listed, {"native_code": False,
+                                                                           "artifact_pickle": False})
+                    if refused is not None:  # what verify would not load, validate does not either
+                        result.fail(FAILED, refused.line())
+                        continue
                     problem = device_problem(entry["device"])
                     if problem or not (out / entry["path"]).is_file():
                         result.fail(FAILED, problem or f"{entry['path']} is missing")

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import tempfile
 import time
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -280,7 +279,7 @@ def compare_rerun(entry: dict[str, Any], runner, samples, references: list[list[
     return problems, count
 
 
-def _untrusted(out: Path, report: dict[str, Any], entry: dict[str, Any], listed: set[str],
+def untrusted_entry(out: Path, report: dict[str, Any], entry: dict[str, Any], listed: set[str],
                allow: dict[str, bool]) -> Check | None:
     """Why the artifact must not be loaded, before anything of it runs (None: it may be): a path that leaves the
     folder or that the manifest does not hash (an ONNX model's external data included), a program that needs a
@@ -293,6 +292,11 @@ def _untrusted(out: Path, report: dict[str, Any], entry: dict[str, Any], listed:
             relative_name(file, "report.json")
         if str(path) not in files or not set(files) <= listed:
             raise UsageError(f"{path} is not among the files manifest.json hashes for it", "")
+        past = ((entry.get("info") or {}).get("load") or {}).get("past")
+        if past:  # a decoder's prompt file, named beside the artifact
+            prefill = str(path.parent / relative_name(str(past[1]), "report.json"))
+            if prefill.removeprefix("./") not in files:
+                raise UsageError(f"{prefill} is not among the files manifest.json hashes for it", "")
         external = []
         if entry["target"] == "onnx":
             import onnx  # noqa: PLC0415
@@ -320,19 +324,15 @@ def _untrusted(out: Path, report: dict[str, Any], entry: dict[str, Any], listed:
                      "runs its native code", EXIT_USAGE, fix=NATIVE_FIX.replace(" (recipe: [trust] native_code = true)",
                                                                            ""))
     if entry["target"] == "exported_program" and not allow["artifact_pickle"]:
-        what = [w for f in files if f.endswith(".pt2") for w in _pickled(out / f)]
+        try:
+            what = [w for f in files if f.endswith(".pt2") for w in pickled(out / f)]
+        except UsageError as exc:
+            return Check(name, "files", False, f"not loaded: {exc.message}", EXIT_INTEGRITY)
         if what:
             return Check(name, "loads", False, f"not loaded: it holds pickled data ({', '.join(what[:3])}), and "
                          "loading it would run code from the file", EXIT_USAGE,
                          fix=PICKLE_FIX.replace(" (recipe: [trust] artifact_pickle = true)", ""))
     return None
-
-
-def _pickled(path: Path) -> list[str]:
-    try:
-        return pickled(path)
-    except (OSError, ValueError, zipfile.BadZipFile):
-        return []  # not an archive: the loader reports it
 
 
 def _cannot_load_here(entry: dict[str, Any], result: VerifyResult) -> bool:
@@ -455,7 +455,7 @@ def _verify(out: Path, result: VerifyResult, timeout_s: float, allow: dict[str, 
         if any(f["path"] in bad for f in entry.get("files") or []):
             result.checks.append(Check(name, "loads", None, "not run: its files do not match manifest.json"))
             continue
-        refused = _untrusted(out, report, entry, {str(f.get("path")) for f in manifest["files"]}, allow)
+        refused = untrusted_entry(out, report, entry, {str(f.get("path")) for f in manifest["files"]}, allow)
         if refused is not None:
             result.checks.append(refused)
             continue
@@ -508,4 +508,4 @@ def summary(result: VerifyResult) -> str:
 
 
 __all__ = ["verify", "VerifyResult", "Check", "EXIT_INTEGRITY", "artifact_spec", "load_reference", "compare_rerun",
-           "summary"]
+           "summary", "untrusted_entry"]

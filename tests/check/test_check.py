@@ -67,7 +67,7 @@ def test_optimum_encoder_and_vision_exports_pass_and_verify_later(optimum, tiny_
         manifest = json.loads((out / "manifest.json").read_text())
         assert entry["path"] in {f["path"] for f in manifest["files"]}
         cases = ET.parse(tmp_path / "j.xml").getroot().iter("testcase")
-        assert {c.get("name") for c in cases} == {"loads", "numerics", "shape grid"}
+        assert {c.get("name") for c in cases} == {"loads", "numerics", "shape grid", "weights"}
         verified = subprocess.run([sys.executable, "-m", "exporter", "verify", str(out)], capture_output=True,
                                   text=True, check=False)
         assert verified.returncode == 0, verified.stderr[-2000:]
@@ -87,14 +87,16 @@ def scale_initializer(folder: Path, node_prefix: str, factor: float) -> str:
     return name
 
 
-def test_an_onnx_initializer_off_by_one_part_in_a_thousand_fails_and_is_located(optimum, tiny_models, tmp_path):
+def test_an_onnx_initializer_off_by_one_part_in_a_thousand_fails_naming_its_weight(optimum, tiny_models, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(optimum["bert"], bad)
     scale_initializer(bad, "/encoder/layer.1/intermediate/dense/MatMul", 1 + 1e-3)
     done = run_check(bad, "--against", tiny_models["bert"], "--out", tmp_path / "out")
     assert done.returncode == 3, done.stderr[-3000:]
     (line,) = [e for e in errors(done) if "numerics failed" in e]
-    assert "output last_hidden_state" in line and "first divergent module encoder.layer.1.intermediate" in line
+    # the weights proof traces the transposed initializer to its checkpoint tensor and names it
+    assert "weight encoder.layer.1.intermediate.dense.weight (as onnx::" in line and "traced by transposed" in line
+    assert "output last_hidden_state" in line
 
 
 def shift_cache_update(folder: Path, layer: int) -> None:
@@ -155,14 +157,18 @@ def test_an_artifact_of_another_model_is_refused_in_one_line(optimum, tiny_model
 # --------------------------------------------------------------------------- torch.export and AOTInductor
 
 
-def export_bert(checkpoint: Path, path: Path, scale: float | None = None) -> Path:
+def export_bert(checkpoint: Path, path: Path, scale: float | None = None, nudge: float | None = None) -> Path:
     """torch.export of the checkpoint's BertModel (SDPA attention) by keyword, as a user script would; with
-    ``scale`` the attention of layer 1 uses a wrong softmax scale (a planted defect)."""
+    ``scale`` the attention of layer 1 uses a wrong softmax scale, with ``nudge`` one value of layer 1's
+    intermediate weight is off by that relative amount (planted defects)."""
     from transformers import BertModel
 
     model = BertModel.from_pretrained(checkpoint, attn_implementation="sdpa").eval()
     if scale is not None:
         model.encoder.layer[1].attention.self.scaling *= scale
+    if nudge is not None:
+        with torch.no_grad():
+            model.encoder.layer[1].intermediate.dense.weight[0, 0] *= 1 + nudge
     ids = torch.randint(0, 1000, (2, 16))
     batch, seq = torch.export.Dim("batch", min=1, max=16), torch.export.Dim("seq", min=2, max=128)
     program = torch.export.export(model, (), {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
@@ -187,12 +193,29 @@ def test_a_torch_export_program_passes_and_a_wrong_attention_scale_fails_located
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "good" / "report.json").read_text())
     assert report["outputs"] == ["last_hidden_state", "pooler_output"]
+    weights = report["artifacts"][0]["proofs"]["weights"]  # a wrong scale is no weight: the proof passes
+    assert weights["passed"] and weights["by_name"] == weights["constants"] - weights["untraced_small"] > 30
+    assert weights["untraced"] == [] and weights["not_found"] == []
     bad = export_bert(tiny_models["bert"], tmp_path / "bad.pt2", scale=1.1)
     done = run_check(bad, "--against", tiny_models["bert"], "--out", tmp_path / "bad")
     assert done.returncode == 3, done.stderr[-3000:]
     (line,) = [e for e in errors(done) if "numerics failed" in e]
     assert "output last_hidden_state" in line or "output pooler_output" in line
     assert "first divergent module encoder.layer.1.attention" in line, line
+
+
+def test_one_weight_off_by_one_part_in_a_million_fails_by_name(tiny_models, tmp_path):
+    """Far below what the outputs' bar can see: the weights proof compares the program's weights with the
+    checkpoint's bit for bit, names the weight and fails the artifact (exit 3, a failed JUnit case)."""
+    bad = export_bert(tiny_models["bert"], tmp_path / "bad.pt2", nudge=1e-6)
+    done = run_check(bad, "--against", tiny_models["bert"], "--out", tmp_path / "bad", "--junit", tmp_path / "j.xml")
+    assert done.returncode == 3, done.stderr[-3000:]
+    (line,) = [e for e in errors(done) if "numerics failed" in e]
+    assert "weight encoder.layer.1.intermediate.dense.weight differs from the checkpoint's" in line, line
+    entry = json.loads((tmp_path / "bad" / "report.json").read_text())["artifacts"][0]
+    assert entry["numerics"]["passed"] and not entry["proofs"]["weights"]["passed"]  # the outputs could not tell
+    cases = {c.get("name"): c for c in ET.parse(tmp_path / "j.xml").getroot().iter("testcase")}
+    assert cases["weights"].find("failure") is not None and cases["numerics"].find("failure") is None
 
 
 def test_an_aoti_package_made_elsewhere_passes(tiny_models, tmp_path):

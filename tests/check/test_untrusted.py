@@ -274,14 +274,18 @@ def test_the_published_files_are_copies_and_the_users_stay_loadable(onnx_folder,
 
 
 def test_a_hub_cache_snapshot_links_into_its_own_blobs(onnx_folder, tiny_models, tmp_path):
-    """The one place a link may point out of the judged folder: snapshots/<rev>/x -> ../../blobs/<sha>."""
+    """The one place a link may point out of the judged folder: snapshots/<rev>/[onnx/]x -> blobs/<sha>, the
+    snapshot judged whole or a subfolder of it (onnx/, as ONNX repositories lay it out)."""
     repo = tmp_path / "models--org--bert"
     (repo / "blobs").mkdir(parents=True)
     snapshot = repo / "snapshots" / "0123abc"
-    snapshot.mkdir(parents=True)
+    (snapshot / "onnx").mkdir(parents=True)
     for index, name in enumerate(("model.onnx", "model.onnx.data")):
         shutil.copy(onnx_folder / name, repo / "blobs" / f"blob{index}")
         (snapshot / name).symlink_to(Path("..") / ".." / "blobs" / f"blob{index}")
+        (snapshot / "onnx" / name).symlink_to(Path("..") / ".." / ".." / "blobs" / f"blob{index}")
+    sub = check(snapshot / "onnx", "--against", tiny_models["bert"], "--out", tmp_path / "sub")
+    assert sub.returncode == 0, sub.stderr[-3000:]
     done = check(snapshot, "--against", tiny_models["bert"], "--out", tmp_path / "out")
     assert done.returncode == 0, done.stderr[-3000:]
     published = tmp_path / "out" / "artifact" / "model.onnx.data"
@@ -302,4 +306,78 @@ def test_verify_imports_no_module_a_tampered_report_names(checked_program, tmp_p
     done = exporter("verify", folder, cwd=tmp_path)
     assert done.returncode == 2, done.stderr[-3000:]
     assert "asks to import 'planted_spec'" in one_error(done)
+    assert not marker.exists()
+
+
+def test_localisation_reads_a_failing_program_as_data_too(tiny_models, tmp_path):
+    """A program whose outputs fail is localised on its unflattened submodules: loaded by the same reader, so the
+    payload in its sample inputs never runs there either."""
+    from transformers import BertModel
+
+    model = BertModel.from_pretrained(tiny_models["bert"], attn_implementation="sdpa").eval()
+    model.encoder.layer[1].attention.self.scaling *= 1.5
+    source = export_bert(tiny_models["bert"], tmp_path / "unused.pt2")  # the shapes; replaced just below
+    ids = torch.randint(0, 1000, (2, 16))
+    batch, seq = torch.export.Dim("batch", min=1, max=16), torch.export.Dim("seq", min=2, max=128)
+    program = torch.export.export(model, (), {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                                  dynamic_shapes={"input_ids": {0: batch, 1: seq},
+                                                  "attention_mask": {0: batch, 1: seq}})
+    torch.export.save(program, str(source))
+    marker = tmp_path / "ran"
+    planted = pickle_program(source, tmp_path / "planted.pt2", marker, "sample_inputs")
+    done = check(planted, "--against", tiny_models["bert"], "--out", tmp_path / "out")
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert "first divergent module encoder.layer.1.attention" in done.stderr, done.stderr[-3000:]
+    assert not marker.exists()
+
+
+def test_only_the_program_reader_loads_a_pt2():
+    """torch.export.load unpickles; every .pt2 exporter reads goes through targets/program_file.py instead."""
+    root = Path(__file__).resolve().parents[2] / "src" / "exporter"
+    found = [str(p.relative_to(root)) for p in root.rglob("*.py") if p.name not in ("program_file.py", "payloads.py")
+             and "torch.export.load(" in p.read_text(encoding="utf-8")]
+    assert found == []
+
+
+def test_a_damaged_archive_is_refused_in_one_line(bert_program, tiny_models, tmp_path):
+    import zipfile
+
+    damaged = tmp_path / "damaged.pt2"
+    with zipfile.ZipFile(bert_program) as old, zipfile.ZipFile(damaged, "w") as new:
+        for info in old.infolist():
+            data = old.read(info.filename)
+            new.writestr(info.filename, b"{not json" if info.filename.endswith("_weights_config.json") else data)
+    done = check(damaged, "--against", tiny_models["bert"], "--out", tmp_path / "out")
+    assert done.returncode == 2 and "is not a readable torch.export archive" in one_error(done)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_programs_guards_are_kept_and_a_guard_that_is_code_is_refused(bert_program, tmp_path):
+    """torch turns a program's guard strings into Python and runs them on every call; the program reader keeps the
+    guards (a program is refused at sizes it was not traced for, as its users meet it) only where each is a plain
+    comparison of sizes."""
+    import zipfile
+
+    from exporter.errors import UsageError
+    from exporter.targets.program_file import load_program
+
+    ids = torch.randint(0, 1000, (2, 16))
+    program = load_program(bert_program).module()
+    with pytest.raises(Exception, match="Guard failed"):  # sequence lengths the export tied together, untied
+        program(input_ids=ids, attention_mask=torch.ones(2, 12, dtype=torch.long))
+    marker = tmp_path / "ran"
+    planted = tmp_path / "planted.pt2"
+    with zipfile.ZipFile(bert_program) as old, zipfile.ZipFile(planted, "w") as new:
+        for info in old.infolist():
+            data = old.read(info.filename)
+            if info.filename.endswith("models/model.json"):
+                model = json.loads(data)
+                model["guards_code"].append(f"__import__('pathlib').Path({str(marker)!r}).touch() is None")
+                data = json.dumps(model).encode()
+            new.writestr(info.filename, data)
+    torch.export.load(str(planted)).module()(input_ids=ids, attention_mask=torch.ones_like(ids))
+    assert marker.exists(), "the planted guard must be live for this test to mean anything"
+    marker.unlink()
+    with pytest.raises(UsageError, match="input guard that is not a plain comparison of sizes"):
+        load_program(planted)
     assert not marker.exists()

@@ -92,10 +92,21 @@ def _onnx_port(value: Any) -> Port:
     return Port(value.name, ONNX_TYPES.get(tensor.elem_type), tuple(axes))
 
 
+def _initializers(graph: Any):
+    """Every initializer of ``graph`` and of the subgraphs its nodes hold (If, Loop, Scan: a merged decoder)."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.HasField("g"):
+                yield from _initializers(attribute.g)
+            for sub in attribute.graphs:
+                yield from _initializers(sub)
+
+
 def onnx_files(path: Path, proto: Any) -> list[Path]:
     """The model file and the external data files it names (each a plain relative name: a UsageError otherwise)."""
     files = [path]
-    for tensor in proto.graph.initializer:
+    for tensor in _initializers(proto.graph):
         for entry in tensor.external_data:
             if entry.key == "location":
                 extra = path.parent / relative_name(entry.value, f"{path.name} (external data of {tensor.name})")

@@ -1,5 +1,5 @@
-"""``exporter check --junit``: one JUnit case per artifact and check (loads, numerics, shape grid), from the
-report, so a CI system shows which artifact failed which check."""
+"""``exporter check --junit``: one JUnit case per artifact and check (loads, numerics, shape grid, and each proof:
+weights), from the report, so a CI system shows which artifact failed which check."""
 
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ def junit_cases(report: dict[str, Any]) -> list[Case]:
                               else f"{len(grid['points'])} points passed"))
         else:
             cases.append(Case(classname, "shape grid", None, grid.get("reason") or "not checked"))
+        for proof, found in (entry.get("proofs") or {}).items():
+            cases.append(Case(classname, proof, found.get("passed"), found.get("summary") or ""))
         if entry["status"] not in (OK, NUMERICS_FAILED, FAILED):
             cases.append(Case(classname, "status", None, entry["status"]))
     return cases

@@ -20,13 +20,14 @@ import torch
 
 from ..dtypes import torch_dtype
 from ..errors import describe
-from ..modelio import IOModule
+from ..modelio import IOModule, import_spec_types
 from ..numerics.locate import record_reference, summary
 from ..numerics.locate_program import baseline_store, first_divergent, in_program
 from ..numerics.module_checks import ModuleFloor
 from ..numerics.tolerance import relative_floor
 from ..recipe import Recipe
 from ..results import VariantResult
+from ..targets.program_file import load_program
 from .artifacts import Artifact
 
 
@@ -105,7 +106,8 @@ def locate_artifact(result: VariantResult, artifact: Artifact, path: Path, origi
                             device, dtype, k, floor)
             found["graph"] = {"replayed": "the ONNX graph's own values at each module scope's last node", **entry}
         elif artifact.target == "exported_program":
-            program = torch.export.load(str(path))
+            import_spec_types(artifact.imports)  # allow-listed ModelOutput modules only
+            program = load_program(path, allow_pickle=artifact.pickle)  # as data, as its runner loaded it
             prefix = "model." if artifact.made_by == "exporter" else ""
             keywords = names[artifact.positional:] if artifact.call == "keyword" else None
             entry = in_program(program, calls, original, sample, device, dtype, k, floor,

@@ -32,15 +32,17 @@ from ..measure.bench import benchmark
 from ..modelio import Signature, discover_outputs
 from ..numerics.reference import run_reference
 from ..numerics.validation import Validation
+from ..numerics.weights import WeightProof, prove_weights
 from ..outdir import OutputFolder, disk_full, model_name, os_problem, path_from, public_command, sha256_file
 from ..prepare import original_module
 from ..progress import Progress
 from ..quiet import quiet_libraries
 from ..recipe import GENERATION_TASKS, Recipe, public_source, resolve_recipe
-from ..results import NUMERICS_FAILED, RunResult, VariantResult, ratio
+from ..results import FAILED, NUMERICS_FAILED, RunResult, VariantResult, ratio
 from ..targets.program_file import PickleRefused, pickled
 from ..targets.spec import RunnerSpec
 from .artifacts import Artifact, find_artifacts
+from .constants import AOTI_NOTE, artifact_constants
 from .locating import locate_artifact
 from .mapping import map_inputs, map_outputs
 from .past import INPUTS, PastSteps, output_names, past_recipe
@@ -65,7 +67,7 @@ def keep(artifact: Artifact, staging: Path, folder: Folder) -> tuple[Path, list[
         target = staging / FOLDER / folder.inside(file)
         kept.append(target)
         if not target.exists():
-            copy_in(file, target)
+            copy_in(file, target, folder)
     return (staging / FOLDER / folder.inside(artifact.path)).relative_to(staging), kept
 
 
@@ -151,8 +153,9 @@ def check(artifact: str | Path, against: str | Path, recipe: str | Path | Recipe
     source = Path(os.path.abspath(artifact_path))  # as given: a symlinked file keeps its own name
     if resolved == source.resolve() or source.resolve().is_relative_to(resolved) or source.is_relative_to(resolved):
         raise UsageError(f"--out {final} holds the artifact being checked", "write the check to another folder")
-    artifacts = find_artifacts(artifact_path)
     judged = Folder(artifact_path)
+    judged.check_described()
+    artifacts = find_artifacts(artifact_path)
     for found in artifacts:  # every file it reads lies in the judged folder, before anything is read whole
         for file in [*found.files, *([found.past.prefill] if found.past else [])]:
             judged.check(file)
@@ -216,6 +219,9 @@ class CheckRun:
         with progress.stage("load", str(self.checkpoint)):
             loaded = load_model(self.checkpoint, self.recipe.model.factory, self.allow_pickle,
                                 self.recipe.model.pipeline and not bare)
+            # the checkpoint's tensors as built, before the model is cast to the recipe's dtype: the weights proof's
+            # side (the cast replaces each parameter's tensor; these keep the checkpoint's)
+            weights = dict(loaded.model.state_dict())
         past = next((a for a in self.artifacts if a.past is not None), None)
         if past is not None and len(self.artifacts) > 1:
             raise UsageError(f"{self.source} holds a decoder with past and other models "
@@ -280,11 +286,15 @@ class CheckRun:
                                        if k in ("named", "keywords", "positional", "outputs", "imports", "past",
                                                   "provider", "pickle")}
                 results.append(result)
+                proof = prove_artifact(artifact, kept, weights)
                 runner = validation.remote(result, spec)
                 if runner is not None:
                     live[artifact.name] = runner
+                apply_proof(result, proof)
         grid = validation.grid(results, live, plan, None, self.staging, progress)
-        failing = [r for r in results if r.status == NUMERICS_FAILED]
+        # a weight the proof named is where the divergence is: nothing to locate (nor any compiler to blame)
+        failing = [r for r in results if r.status == NUMERICS_FAILED and (r.proofs.get("weights") or {}).get(
+            "passed") is not False]
         if failing and recipe.numerics.locate:
             with progress.stage("locate divergence", ", ".join(r.name for r in failing)):
                 for result in failing:
@@ -311,6 +321,27 @@ class CheckRun:
         return [{"name": a.name, "kind": a.target, "made_by": a.made_by, "file": a.path.name,
                  "inputs": [p.name for p in a.inputs], "outputs": [p.name for p in a.outputs],
                  "call": a.call, "past_layers": a.past.layers if a.past else None} for a in self.artifacts]
+
+
+def prove_artifact(artifact: Artifact, kept: list[Path], weights: dict[str, Any]) -> WeightProof | None:
+    """The weights proof of one artifact (``numerics/weights.py``) from its copied files; None where its format
+    keeps no readable constants (the note says so)."""
+    constants, _ = artifact_constants(artifact, kept)
+    return prove_weights(constants, weights) if constants is not None else None
+
+
+def apply_proof(result: VariantResult, proof: WeightProof | None) -> None:
+    """Record the weights proof on ``result``; a changed weight fails the artifact (numerics, exit 3) by name,
+    before whatever its outputs showed."""
+    if proof is None:
+        result.proofs["weights"] = {"passed": None, "summary": "not run: " + AOTI_NOTE}
+        result.notes.append(AOTI_NOTE)
+        return
+    result.proofs["weights"] = proof.to_dict()
+    result.notes.append(f"weights proof: {'passed' if proof.passed else 'failed'}: {proof.summary()}")
+    if not proof.passed and result.status != FAILED:
+        earlier = f"; {result.error}" if result.status == NUMERICS_FAILED and result.error else ""
+        result.fail(NUMERICS_FAILED, f"{proof.summary()}{earlier}")
 
 
 def _worst_sample(result: VariantResult) -> int:

@@ -55,9 +55,10 @@ class Folder:
         self.given = Path(os.path.abspath(given))
         self.base = self.given if self.given.is_dir() else self.given.parent
         self.roots = [Path(os.path.realpath(self.base))]
-        snapshot = self.roots[0]
-        if snapshot.parent.name == "snapshots" and (snapshot.parent.parent / "blobs").is_dir():
-            self.roots.append(snapshot.parent.parent / "blobs")  # a hub cache: snapshots/<rev>/x -> ../../blobs/<sha>
+        for folder in [self.roots[0], *self.roots[0].parents]:  # a hub cache: snapshots/<rev>/[sub/]x -> blobs/<sha>
+            if folder.parent.name == "snapshots" and (folder.parent.parent / "blobs").is_dir():
+                self.roots.append(Path(os.path.realpath(folder.parent.parent / "blobs")))
+                break
 
     def check(self, file: Path) -> Path:
         """``file`` as it lies beside the others (unresolved); a UsageError where it leaves the folder."""
@@ -76,16 +77,43 @@ class Folder:
                              "replace the link with the file itself, or check the folder the link points into")
         return plain
 
+    def check_described(self) -> None:
+        """The files a folder is described from (its models and its JSON) lie in it: checked before any is read."""
+        if not self.given.is_dir():
+            return
+        for file in self.given.iterdir():
+            if file.is_symlink() and (file.suffix in (".onnx", ".pt2", ".json") or file.name.endswith(".onnx.data")):
+                self.check(file)
+
+    def check_opened(self, file: Path, descriptor: int) -> None:
+        """The file open at ``descriptor`` (opened as ``file``) lies in the folder: its real path, read from the
+        descriptor itself where the system says it (``/proc/self/fd``)."""
+        opened = Path(f"/proc/self/fd/{descriptor}")
+        if not opened.exists() or Path(os.path.abspath(file)) == self.given:
+            return
+        real = Path(os.path.realpath(opened))
+        if not any(real == root or root in real.parents for root in self.roots):
+            raise UsageError(f"{file} was opened as {real}, outside the judged folder {self.base} (changed while "
+                             "being read)", "check a folder that nothing else writes to while it is judged")
+
     def inside(self, file: Path) -> Path:
         """``file``'s path relative to the judged folder (checked)."""
         return self.check(file).relative_to(self.base)
 
 
-def copy_in(source: Path, target: Path) -> None:
+def copy_in(source: Path, target: Path, folder: Folder | None = None) -> None:
     """Copy ``source`` (its symlinks followed) to ``target``: a reflink where the file system shares blocks
-    copy-on-write, else a plain copy; never a hard link."""
+    copy-on-write, else a plain copy; never a hard link. With ``folder``, the file actually opened must lie in it
+    (a link swapped after the folder was checked is caught here)."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    with open(source, "rb") as src, open(target, "wb") as dst:
+    with open(source, "rb") as src:
+        if folder is not None:
+            folder.check_opened(source, src.fileno())
+        _copy_open(src, target)
+
+
+def _copy_open(src, target: Path) -> None:
+    with open(target, "wb") as dst:
         with contextlib.suppress(OSError, ImportError, AttributeError):
             import fcntl  # noqa: PLC0415 - POSIX only
 

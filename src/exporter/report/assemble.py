@@ -105,6 +105,7 @@ def _variant_dict(result: VariantResult) -> dict[str, Any]:
         "info": {k: v for k, v in result.info.items() if not k.startswith("_")},
         "numerics": result.numerics.to_dict() if result.numerics else {"passed": None},
         "bench": result.bench or {"median_ms": None, "speedup_vs_eager": None},
+        **({"proofs": result.proofs} if result.proofs else {}),
     }
 
 

@@ -15,9 +15,11 @@ reads it, pickles and all.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,7 +65,7 @@ def _config(archive: zipfile.ZipFile, entry: str) -> dict[str, Any]:
         data = json.loads(archive.read(entry))
     except KeyError:
         return {}
-    except (ValueError, UnicodeDecodeError, zipfile.BadZipFile):
+    except (ValueError, UnicodeDecodeError, zipfile.BadZipFile, zlib.error, NotImplementedError, RuntimeError):
         data = None
     config = data.get("config") if isinstance(data, dict) else None
     if not isinstance(config, dict) or not all(isinstance(meta, dict) for meta in config.values()):
@@ -73,8 +75,19 @@ def _config(archive: zipfile.ZipFile, entry: str) -> dict[str, Any]:
 
 
 def pickled(path: str | Path) -> list[str]:
-    """What in the ``.pt2`` at ``path`` only a pickle can load (empty: it reads as data). A file that is not such
-    an archive is the loader's to report."""
+    """What in the ``.pt2`` at ``path`` only a pickle can load (empty: it reads as data); a UsageError where the
+    archive cannot be read."""
+    try:
+        return _pickled(path)
+    except UsageError:
+        raise
+    except (zipfile.BadZipFile, zlib.error, NotImplementedError, RuntimeError, ValueError, KeyError, OSError,
+            EOFError) as exc:
+        raise UsageError(f"{Path(path).name} is not a readable torch.export archive ({type(exc).__name__})",
+                         "pass the file torch.export.save wrote") from None
+
+
+def _pickled(path: str | Path) -> list[str]:
     with zipfile.ZipFile(path) as archive:
         names = archive.namelist()
         layouts = _layouts(names)
@@ -93,7 +106,7 @@ def pickled(path: str | Path) -> list[str]:
     return found
 
 
-def _tensors(archive: zipfile.ZipFile, layout: Layout, kind: str) -> dict[str, Any]:
+def _tensors(archive: zipfile.ZipFile, layout: Layout, kind: str, as_saved: bool = True) -> dict[str, Any]:
     import torch  # noqa: PLC0415
 
     config = _config(archive, layout.entry(f"data/{kind}/{layout.name}_{kind}_config.json"))
@@ -104,7 +117,8 @@ def _tensors(archive: zipfile.ZipFile, layout: Layout, kind: str) -> dict[str, A
         record = meta["path_name"]
         if record not in shared:
             base = dict(tensor_meta, sizes=[{"as_int": -1}], strides=[{"as_int": 1}], storage_offset={"as_int": 0})
-            shared[record] = _flat(archive, layout.entry(f"data/{kind}/{record}"), base)
+            shared[record] = _flat(archive, layout.entry(f"data/{kind}/{record}"),
+                                   base if as_saved else dict(base, device={"type": "cpu"}))
         flat = shared[record]
         sizes = [int(s["as_int"]) for s in tensor_meta["sizes"]]
         strides = [int(s["as_int"]) for s in tensor_meta["strides"]]
@@ -113,7 +127,7 @@ def _tensors(archive: zipfile.ZipFile, layout: Layout, kind: str) -> dict[str, A
             raise ValueError(f"{kind} {fqn}: its record {record} is smaller than the tensor")
         tensor = torch.as_strided(flat, sizes, strides, offset) if all(sizes) else \
             torch.zeros(sizes, dtype=flat.dtype, device=flat.device)
-        if kind == "weights" and meta.get("is_param"):
+        if kind == "weights" and meta.get("is_param") and as_saved:
             tensor = torch.nn.Parameter(tensor, requires_grad=bool(tensor_meta.get("requires_grad")))
         tensors[fqn] = tensor
     return tensors
@@ -159,8 +173,88 @@ def load_program(path: str | Path, allow_pickle: bool = False, name: str = "mode
                                         json.loads(archive.read(layout.entry(f"models/{name}.json"))))
         state_dict = _tensors(archive, layout, "weights")
         constants = _tensors(archive, layout, "constants")
-    # example inputs None: the archive's sample inputs are a pickle, and nothing here needs them
-    return ExportedProgramDeserializer().deserialize(serialized, state_dict, constants, None)
+    # example inputs None: the archive's sample inputs are a pickle; their structure is rebuilt below instead
+    program = ExportedProgramDeserializer().deserialize(serialized, state_dict, constants, None)
+    _keep_guards(program, path)
+    return program
 
 
-__all__ = ["PICKLE_FIX", "PickleRefused", "load_program", "pickled"]
+# What a guard of a program may be made of (torch turns each into Python and runs it: ``_unlift``)
+_GUARD_NODES = (ast.Expression, ast.Compare, ast.BoolOp, ast.BinOp, ast.UnaryOp, ast.Constant, ast.Name,
+                ast.Attribute, ast.Call, ast.Subscript, ast.Load, ast.Tuple, ast.And, ast.Or, ast.Not, ast.USub,
+                ast.UAdd, ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow, ast.Eq, ast.NotEq,
+                ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.Slice)
+_GUARD_ATTRIBUTES = {"size", "stride", "storage_offset", "dim", "numel"}
+
+
+def _guard_problem(text: str, names: set[str]) -> str | None:
+    """Why ``text`` (a guard from the archive) is not a plain comparison of sizes and numbers (None: it is)."""
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError:
+        return "not an expression"
+    for node in ast.walk(tree):
+        if not isinstance(node, _GUARD_NODES):
+            return f"holds {type(node).__name__}"
+        if isinstance(node, ast.Name) and node.id not in names:
+            return f"names {node.id!r}"
+        if isinstance(node, ast.Attribute) and (node.attr not in _GUARD_ATTRIBUTES and not (
+                isinstance(node.value, ast.Name) and node.value.id == "math" and node.attr.isalnum())):
+            return f"reads .{node.attr}"
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and not node.value.isidentifier():
+            return f"holds the string {node.value!r}"
+        if isinstance(node, ast.Constant) and not isinstance(node.value, (int, float, str, bool, type(None))):
+            return f"holds a {type(node.value).__name__}"
+    return None
+
+
+def _keep_guards(program: Any, path: str | Path) -> None:
+    """Give ``program`` back the input guards ``torch.export.load`` gives it (a program specialised at export is
+    refused at the sizes it was not traced for, as its users will meet it), without running anything the file
+    chose: torch builds the guards by turning the archive's guard strings and input names into Python, so each
+    guard must be a plain comparison of sizes and numbers and each input name an identifier; a program whose
+    guards are anything else is refused. The example inputs torch needs for this are only the inputs' structure:
+    empty tensors in the call spec's tree."""
+    import torch  # noqa: PLC0415
+    import torch.utils._pytree as pytree  # noqa: PLC0415
+    from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP  # noqa: PLC0415
+
+    in_spec = program.call_spec.in_spec
+    if in_spec is None:
+        return
+    args, kwargs = pytree.tree_unflatten([torch.empty(0) for _ in range(in_spec.num_leaves)], in_spec)
+    for key_path, _ in pytree.tree_leaves_with_path((args, kwargs)):
+        for key in key_path:
+            name = getattr(key, "key", getattr(key, "name", getattr(key, "idx", 0)))
+            if not (isinstance(name, int) or (isinstance(name, str) and name.isidentifier())):
+                raise UsageError(f"{Path(path).name} names an input {name!r}, which is not an identifier",
+                                 "export the program with inputs named by identifiers")
+    names = {"L", "math", "inf", "max", "min", "abs", "int", "float", "bool", "round", "len", *SYMPY_INTERP}
+    for guard in getattr(program, "_guards_code", None) or []:
+        problem = _guard_problem(str(guard), names)
+        if problem is not None:
+            raise UsageError(f"{Path(path).name} holds an input guard that is not a plain comparison of sizes "
+                             f"({problem}): torch would run it as Python", "export the program again with torch.export")
+    for spec in program.graph_signature.input_specs:
+        value = getattr(spec.arg, "value", None)
+        if isinstance(value, str) and not value.isidentifier():
+            raise UsageError(f"{Path(path).name} takes a constant input {value!r} that torch would write into Python",
+                             "export the program again with torch.export")
+    program.example_inputs = (tuple(args), dict(kwargs))
+
+
+def read_constants(path: str | Path, name: str = "model") -> dict[str, Any]:
+    """Every weight and constant tensor of the program ``name``, by its qualified name, on the CPU, read as data
+    (a :class:`PickleRefused` where the archive needs a pickle): what the weights proof compares."""
+    what = pickled(path)
+    if what:
+        raise PickleRefused(path, what)
+    with zipfile.ZipFile(path) as archive:
+        layout = next((lay for lay in _layouts(archive.namelist()) if lay.name == name), None)
+        if layout is None:
+            return {}
+        return {**_tensors(archive, layout, "weights", as_saved=False),
+                **_tensors(archive, layout, "constants", as_saved=False)}
+
+
+__all__ = ["PICKLE_FIX", "PickleRefused", "load_program", "pickled", "read_constants"]
