@@ -25,7 +25,7 @@ import json
 import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -280,7 +280,7 @@ def compare_rerun(entry: dict[str, Any], runner, samples, references: list[list[
 
 
 def untrusted_entry(out: Path, report: dict[str, Any], entry: dict[str, Any], listed: set[str],
-               allow: dict[str, bool]) -> Check | None:
+                    allow: dict[str, bool]) -> Check | None:
     """Why the artifact must not be loaded, before anything of it runs (None: it may be): a path that leaves the
     folder or that the manifest does not hash (an ONNX model's external data included), a program that needs a
     pickle, a package another tool compiled (a check folder's) without the user's opt-in."""
@@ -297,22 +297,11 @@ def untrusted_entry(out: Path, report: dict[str, Any], entry: dict[str, Any], li
             prefill = str(path.parent / relative_name(str(past[1]), "report.json"))
             if prefill.removeprefix("./") not in files:
                 raise UsageError(f"{prefill} is not among the files manifest.json hashes for it", "")
-        external = []
-        if entry["target"] == "onnx":
-            import onnx  # noqa: PLC0415
-
-            from .check.artifacts import onnx_files  # noqa: PLC0415
-
-            proto = onnx.load(str(out / path), load_external_data=False)
-            external = [str(f.relative_to(out)) for f in onnx_files(out / path, proto)]
-        stray = [f for f in external if f not in files]
+        stray = [f for f in _onnx_files(out, path) if f not in files] if entry["target"] == "onnx" else []
         if stray:
             raise UsageError(f"{path} reads {stray[0]}, which manifest.json does not hash for it", "")
     except UsageError as exc:
         return Check(name, "files", False, f"not loaded: {exc.message}", EXIT_INTEGRITY)
-    except Exception as exc:  # noqa: BLE001 - an unreadable model is the loader's to report; refuse it here
-        return Check(name, "files", False, f"not loaded: {path} is not readable ({type(exc).__name__})",
-                     EXIT_INTEGRITY)
     imports = [str(m) for m in ((entry.get("info") or {}).get("load") or {}).get("imports") or []]
     stray_imports = [m for m in imports if not spec_module_allowed(m)]
     if stray_imports:
@@ -333,6 +322,20 @@ def untrusted_entry(out: Path, report: dict[str, Any], entry: dict[str, Any], li
                          "loading it would run code from the file", EXIT_USAGE,
                          fix=PICKLE_FIX.replace(" (recipe: [trust] artifact_pickle = true)", ""))
     return None
+
+
+def _onnx_files(out: Path, path: PurePosixPath) -> list[str]:
+    """The files the ONNX model at ``out/path`` reads (itself and its external data), relative to ``out``; none
+    where it is not a readable model (its loader says so: "no longer loads", as for any broken file)."""
+    import onnx  # noqa: PLC0415
+
+    from .check.artifacts import onnx_files  # noqa: PLC0415
+
+    try:
+        proto = onnx.load(str(out / path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - not an ONNX model: nothing is read from it here
+        return []
+    return [str(f.relative_to(out)) for f in onnx_files(out / path, proto)]
 
 
 def _cannot_load_here(entry: dict[str, Any], result: VerifyResult) -> bool:
