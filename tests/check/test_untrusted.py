@@ -381,3 +381,16 @@ def test_a_programs_guards_are_kept_and_a_guard_that_is_code_is_refused(bert_pro
     with pytest.raises(UsageError, match="input guard that is not a plain comparison of sizes"):
         load_program(planted)
     assert not marker.exists()
+
+
+def test_with_the_pickle_opt_in_a_program_is_judged_and_its_weights_proof_says_why_not_run(
+        bert_program, tiny_models, tmp_path):
+    """--allow-artifact-pickle is the user's word that the file may run: the program is loaded by torch and
+    judged; its pickled constants are not read as data, so the weights proof is not run, and the report says so."""
+    marker = tmp_path / "ran"
+    planted = pickle_program(bert_program, tmp_path / "planted.pt2", marker, "weight")
+    done = check(planted, "--against", tiny_models["bert"], "--out", tmp_path / "out", "--allow-artifact-pickle")
+    assert marker.exists()  # the opt-in really is what lets it run
+    assert done.returncode in (3, 4), done.stderr[-3000:]  # the payload replaced a weight: it cannot pass
+    entry = json.loads((tmp_path / "out" / "report.json").read_text())["artifacts"][0]
+    assert entry["proofs"]["weights"]["passed"] is None and "pickled" in entry["proofs"]["weights"]["summary"]

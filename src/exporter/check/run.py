@@ -26,7 +26,7 @@ from .. import interrupts
 from ..checkpoint import load_model
 from ..dtypes import torch_dtype
 from ..environment import check_machine
-from ..errors import CheckpointError, ExporterError, UsageError
+from ..errors import CheckpointError, ExporterError, UsageError, describe
 from ..inputs import plan_inputs
 from ..measure.bench import benchmark
 from ..modelio import Signature, discover_outputs
@@ -42,7 +42,7 @@ from ..results import FAILED, NUMERICS_FAILED, RunResult, VariantResult, ratio
 from ..targets.program_file import PickleRefused, pickled
 from ..targets.spec import RunnerSpec
 from .artifacts import Artifact, find_artifacts
-from .constants import AOTI_NOTE, artifact_constants
+from .constants import artifact_constants
 from .locating import locate_artifact
 from .mapping import map_inputs, map_outputs
 from .past import INPUTS, PastSteps, output_names, past_recipe
@@ -323,19 +323,24 @@ class CheckRun:
                  "call": a.call, "past_layers": a.past.layers if a.past else None} for a in self.artifacts]
 
 
-def prove_artifact(artifact: Artifact, kept: list[Path], weights: dict[str, Any]) -> WeightProof | None:
-    """The weights proof of one artifact (``numerics/weights.py``) from its copied files; None where its format
-    keeps no readable constants (the note says so)."""
-    constants, _ = artifact_constants(artifact, kept)
-    return prove_weights(constants, weights) if constants is not None else None
+def prove_artifact(artifact: Artifact, kept: list[Path], weights: dict[str, Any]) -> WeightProof | str:
+    """The weights proof of one artifact (``numerics/weights.py``) from its copied files, or why it has none (its
+    format keeps no readable constants, or they are pickled)."""
+    if artifact.pickle:
+        return "its constants are pickled (loaded with --allow-artifact-pickle): they are not read as data"
+    try:
+        constants, why = artifact_constants(artifact, kept)
+    except Exception as exc:  # noqa: BLE001 - the proof is not run; the outputs are still judged
+        return f"its constants could not be read ({describe(exc, 160)})"
+    return prove_weights(constants, weights) if constants is not None else why
 
 
-def apply_proof(result: VariantResult, proof: WeightProof | None) -> None:
+def apply_proof(result: VariantResult, proof: WeightProof | str) -> None:
     """Record the weights proof on ``result``; a changed weight fails the artifact (numerics, exit 3) by name,
     before whatever its outputs showed."""
-    if proof is None:
-        result.proofs["weights"] = {"passed": None, "summary": "not run: " + AOTI_NOTE}
-        result.notes.append(AOTI_NOTE)
+    if isinstance(proof, str):
+        result.proofs["weights"] = {"passed": None, "summary": f"not run: {proof}"}
+        result.notes.append(f"weights proof not run: {proof}")
         return
     result.proofs["weights"] = proof.to_dict()
     result.notes.append(f"weights proof: {'passed' if proof.passed else 'failed'}: {proof.summary()}")
