@@ -37,10 +37,13 @@ def one_error(done: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-def export_bert(folder: Path, path: Path) -> Path:
+def export_bert(folder: Path, path: Path, scale: float | None = None) -> Path:
+    """torch.export of the checkpoint's BertModel by keyword; with ``scale``, layer 1's attention scale is wrong."""
     from transformers import BertModel
 
     model = BertModel.from_pretrained(folder, attn_implementation="sdpa").eval()
+    if scale is not None:
+        model.encoder.layer[1].attention.self.scaling *= scale
     ids = torch.randint(0, 1000, (2, 16))
     batch, seq = torch.export.Dim("batch", min=1, max=16), torch.export.Dim("seq", min=2, max=128)
     program = torch.export.export(model, (), {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
@@ -312,17 +315,7 @@ def test_verify_imports_no_module_a_tampered_report_names(checked_program, tmp_p
 def test_localisation_reads_a_failing_program_as_data_too(tiny_models, tmp_path):
     """A program whose outputs fail is localised on its unflattened submodules: loaded by the same reader, so the
     payload in its sample inputs never runs there either."""
-    from transformers import BertModel
-
-    model = BertModel.from_pretrained(tiny_models["bert"], attn_implementation="sdpa").eval()
-    model.encoder.layer[1].attention.self.scaling *= 1.5
-    source = export_bert(tiny_models["bert"], tmp_path / "unused.pt2")  # the shapes; replaced just below
-    ids = torch.randint(0, 1000, (2, 16))
-    batch, seq = torch.export.Dim("batch", min=1, max=16), torch.export.Dim("seq", min=2, max=128)
-    program = torch.export.export(model, (), {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
-                                  dynamic_shapes={"input_ids": {0: batch, 1: seq},
-                                                  "attention_mask": {0: batch, 1: seq}})
-    torch.export.save(program, str(source))
+    source = export_bert(tiny_models["bert"], tmp_path / "wrong-scale.pt2", scale=1.5)
     marker = tmp_path / "ran"
     planted = pickle_program(source, tmp_path / "planted.pt2", marker, "sample_inputs")
     done = check(planted, "--against", tiny_models["bert"], "--out", tmp_path / "out")

@@ -152,6 +152,18 @@ def _flat(archive: zipfile.ZipFile, entry: str, meta: dict[str, Any]):
     return flat
 
 
+def _as_data(path: str | Path) -> zipfile.ZipFile:
+    """The archive at ``path``, opened to be read as data: a :class:`PickleRefused` where it needs a pickle."""
+    what = pickled(path)
+    if what:
+        raise PickleRefused(path, what)
+    return zipfile.ZipFile(path)
+
+
+def _layout(archive: zipfile.ZipFile, name: str) -> Layout | None:
+    return next((lay for lay in _layouts(archive.namelist()) if lay.name == name), None)
+
+
 def load_program(path: str | Path, allow_pickle: bool = False, name: str = "model"):
     """The ExportedProgram ``name`` in the ``.pt2`` at ``path``, read without unpickling anything; a
     :class:`PickleRefused` where the archive needs a pickle and ``allow_pickle`` is false."""
@@ -159,14 +171,11 @@ def load_program(path: str | Path, allow_pickle: bool = False, name: str = "mode
 
     if allow_pickle:
         return torch.export.load(str(path))
-    what = pickled(path)
-    if what:
-        raise PickleRefused(path, what)
     from torch._export.serde import schema  # noqa: PLC0415
     from torch._export.serde.serialize import ExportedProgramDeserializer, _dict_to_dataclass  # noqa: PLC0415
 
-    with zipfile.ZipFile(path) as archive:
-        layout = next((lay for lay in _layouts(archive.namelist()) if lay.name == name), None)
+    with _as_data(path) as archive:
+        layout = _layout(archive, name)
         if layout is None:
             raise ValueError(f"{Path(path).name} holds no program named {name!r}")
         serialized = _dict_to_dataclass(schema.ExportedProgram,
@@ -246,11 +255,8 @@ def _keep_guards(program: Any, path: str | Path) -> None:
 def read_constants(path: str | Path, name: str = "model") -> dict[str, Any]:
     """Every weight and constant tensor of the program ``name``, by its qualified name, on the CPU, read as data
     (a :class:`PickleRefused` where the archive needs a pickle): what the weights proof compares."""
-    what = pickled(path)
-    if what:
-        raise PickleRefused(path, what)
-    with zipfile.ZipFile(path) as archive:
-        layout = next((lay for lay in _layouts(archive.namelist()) if lay.name == name), None)
+    with _as_data(path) as archive:
+        layout = _layout(archive, name)
         if layout is None:
             return {}
         return {**_tensors(archive, layout, "weights", as_saved=False),
