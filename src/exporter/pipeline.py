@@ -28,6 +28,7 @@ from .inputs import plan_inputs
 from .measure.bench import benchmark, slower_than_source
 from .measure.kernels import audit_kernels
 from .modelio import Signature, discover_outputs
+from .numerics.proofs import checkpoint_tensors, prove_converted
 from .numerics.reference import run_reference
 from .numerics.validation import Validation, inherit_verdicts, not_on_grid
 from .outdir import save_tensors
@@ -186,6 +187,7 @@ class ConvertRun:
             progress.info(f"attention sites: {audit.found} found, {audit.count('rewritten')} rewritten, "
                           f"{audit.count('skipped')} skipped")
 
+        tensors = checkpoint_tensors(loaded.model)  # before the cast: what the weights and program proofs compare with
         loaded.model.to(device=device, dtype=torch_dtype(dtype))
         rewritten.to(device=device, dtype=torch_dtype(dtype))  # a rewritten graph may hold its own buffers
         example = [(t.to(torch_dtype(dtype)) if t.is_floating_point() else t).to(device) for t in samples[0]]
@@ -225,6 +227,10 @@ class ConvertRun:
 
         results = [rewritten_result] + [r for r, _ in built]
         program = ctx.program if ctx.decomposed is None else ctx.decomposed  # what the artifacts were built from
+        with progress.stage("proofs", "weights, and the program in float64"):
+            prove_converted(results, program, tensors, device, samples, reference.outputs, signature.outputs,
+                            original, recipe.quantize.enabled)
+            del tensors
         grid = validation.grid(results, live, plan, program, self.staging, progress)
         if later:
             with progress.stage("validate static variants", ", ".join(r.name for r in later)):

@@ -67,7 +67,7 @@ def test_optimum_encoder_and_vision_exports_pass_and_verify_later(optimum, tiny_
         manifest = json.loads((out / "manifest.json").read_text())
         assert entry["path"] in {f["path"] for f in manifest["files"]}
         cases = ET.parse(tmp_path / "j.xml").getroot().iter("testcase")
-        assert {c.get("name") for c in cases} == {"loads", "numerics", "shape grid", "weights"}
+        assert {c.get("name") for c in cases} == {"loads", "numerics", "shape grid", "weights", "program", "rounding"}
         verified = subprocess.run([sys.executable, "-m", "exporter", "verify", str(out)], capture_output=True,
                                   text=True, check=False)
         assert verified.returncode == 0, verified.stderr[-2000:]

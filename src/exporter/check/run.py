@@ -26,13 +26,13 @@ from .. import interrupts
 from ..checkpoint import load_model
 from ..dtypes import torch_dtype
 from ..environment import check_machine
-from ..errors import CheckpointError, ExporterError, UsageError, describe
+from ..errors import CheckpointError, ExporterError, UsageError
 from ..inputs import plan_inputs
 from ..measure.bench import benchmark
 from ..modelio import Signature, discover_outputs
+from ..numerics.proofs import checkpoint_tensors
 from ..numerics.reference import run_reference
 from ..numerics.validation import Validation
-from ..numerics.weights import WeightProof, prove_weights
 from ..outdir import OutputFolder, disk_full, model_name, os_problem, path_from, public_command, sha256_file
 from ..prepare import original_module
 from ..progress import Progress
@@ -42,10 +42,10 @@ from ..results import FAILED, NUMERICS_FAILED, RunResult, VariantResult, ratio
 from ..targets.program_file import PickleRefused, pickled
 from ..targets.spec import RunnerSpec
 from .artifacts import Artifact, find_artifacts
-from .constants import artifact_constants
 from .locating import locate_artifact
 from .mapping import map_inputs, map_outputs
 from .past import INPUTS, PastSteps, output_names, past_recipe
+from .proofs import apply_program, apply_proof, prove_artifact, prove_program, rounding_proof
 from .untrusted import Folder, copy_in, refuse_native_code
 
 FOLDER = "artifact"  # where the judged files are kept in the output folder
@@ -219,9 +219,9 @@ class CheckRun:
         with progress.stage("load", str(self.checkpoint)):
             loaded = load_model(self.checkpoint, self.recipe.model.factory, self.allow_pickle,
                                 self.recipe.model.pipeline and not bare)
-            # the checkpoint's tensors as built, before the model is cast to the recipe's dtype: the weights proof's
-            # side (the cast replaces each parameter's tensor; these keep the checkpoint's)
-            weights = dict(loaded.model.state_dict())
+            # the checkpoint's tensors as built (and the buffers the model computes, RoPE's frequencies), before the
+            # model is cast to the recipe's dtype: the proofs' side (the cast replaces each tensor; these keep theirs)
+            weights = checkpoint_tensors(loaded.model)
         past = next((a for a in self.artifacts if a.past is not None), None)
         if past is not None and len(self.artifacts) > 1:
             raise UsageError(f"{self.source} holds a decoder with past and other models "
@@ -260,6 +260,8 @@ class CheckRun:
         self.validation = validation = Validation(recipe, signature, reference, samples, original, self.log_path)
         results: list[VariantResult] = []
         live: dict[str, Any] = {}
+        sizes = {name: int(t.numel()) for name, t in zip(signature.outputs, reference.outputs[0])
+                 if t.is_floating_point()}
         with progress.stage("validate numerics"):
             eager = validation.local("eager", original, device, dtype)
             validation.set_baseline(device, dtype, eager)
@@ -291,10 +293,15 @@ class CheckRun:
                 if runner is not None:
                     live[artifact.name] = runner
                 apply_proof(result, proof)
+                if result.status != FAILED:
+                    apply_program(result, prove_program(artifact, self.staging / path, spec, weights, samples,
+                                                        reference.outputs, signature.outputs, original, device))
+                rounding_proof(result, sizes, len(samples))
         grid = validation.grid(results, live, plan, None, self.staging, progress)
-        # a weight the proof named is where the divergence is: nothing to locate (nor any compiler to blame)
-        failing = [r for r in results if r.status == NUMERICS_FAILED and (r.proofs.get("weights") or {}).get(
-            "passed") is not False]
+        # a weight or a program the proofs named is where the divergence is: nothing to locate (nor any compiler
+        # to blame)
+        failing = [r for r in results if r.status == NUMERICS_FAILED and all(
+            (r.proofs.get(p) or {}).get("passed") is not False for p in ("weights", "program"))]
         if failing and recipe.numerics.locate:
             with progress.stage("locate divergence", ", ".join(r.name for r in failing)):
                 for result in failing:
@@ -321,32 +328,6 @@ class CheckRun:
         return [{"name": a.name, "kind": a.target, "made_by": a.made_by, "file": a.path.name,
                  "inputs": [p.name for p in a.inputs], "outputs": [p.name for p in a.outputs],
                  "call": a.call, "past_layers": a.past.layers if a.past else None} for a in self.artifacts]
-
-
-def prove_artifact(artifact: Artifact, kept: list[Path], weights: dict[str, Any]) -> WeightProof | str:
-    """The weights proof of one artifact (``numerics/weights.py``) from its copied files, or why it has none (its
-    format keeps no readable constants, or they are pickled)."""
-    if artifact.pickle:
-        return "its constants are pickled (loaded with --allow-artifact-pickle): they are not read as data"
-    try:
-        constants, why = artifact_constants(artifact, kept)
-    except Exception as exc:  # noqa: BLE001 - the proof is not run; the outputs are still judged
-        return f"its constants could not be read ({describe(exc, 160)})"
-    return prove_weights(constants, weights) if constants is not None else why
-
-
-def apply_proof(result: VariantResult, proof: WeightProof | str) -> None:
-    """Record the weights proof on ``result``; a changed weight fails the artifact (numerics, exit 3) by name,
-    before whatever its outputs showed."""
-    if isinstance(proof, str):
-        result.proofs["weights"] = {"passed": None, "summary": f"not run: {proof}"}
-        result.notes.append(f"weights proof not run: {proof}")
-        return
-    result.proofs["weights"] = proof.to_dict()
-    result.notes.append(f"weights proof: {'passed' if proof.passed else 'failed'}: {proof.summary()}")
-    if not proof.passed and result.status != FAILED:
-        earlier = f"; {result.error}" if result.status == NUMERICS_FAILED and result.error else ""
-        result.fail(NUMERICS_FAILED, f"{proof.summary()}{earlier}")
 
 
 def _worst_sample(result: VariantResult) -> int:

@@ -57,7 +57,7 @@ from .module_checks import (
     nbytes,
     run_context,
 )
-from .reference import cast_in_place
+from .reference import cast_in_place, promoted
 
 DEFAULT_MEMORY_FRACTION = 0.25  # of free host memory, for the recorded float64 activations
 
@@ -103,7 +103,7 @@ def record_reference(original: IOModule, sample: list[torch.Tensor], max_bytes: 
         calls.append(Call(path, index, type(module).__name__, args_c, kwargs_c, out))
 
     args64 = [(t.to(torch.float64) if t.is_floating_point() else t).cpu() for t in sample]
-    with cast_in_place(original, torch.float64, "cpu"), torch.inference_mode():
+    with cast_in_place(original, torch.float64, "cpu"), torch.inference_mode(), promoted(torch.float64):
         with hooks_on(original.model, None, pre, post), run_context(original, "auto", "cpu"):
             result = original(*args64)
     if outputs is not None:

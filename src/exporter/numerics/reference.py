@@ -19,6 +19,7 @@ from ..dtypes import name_of
 from ..errors import ReferenceFailed, describe
 from ..inputs import cast_sample
 from ..modelio import IOModule
+from .promote import PromoteCasts
 
 Outputs = list[torch.Tensor]
 
@@ -103,6 +104,12 @@ def upcast_while_running(model: nn.Module, dtype: torch.dtype):
         yield model
 
 
+def promoted(dtype: torch.dtype):
+    """A float64 run stays in float64: the casts the model names for its precision promoted
+    (:class:`~exporter.numerics.promote.PromoteCasts`); any other dtype runs as written."""
+    return PromoteCasts() if dtype == torch.float64 else contextlib.nullcontext()
+
+
 def _whole_model_dtype(model: nn.Module, device: str) -> tuple[torch.dtype, str]:
     """float64 when a float64 copy of the model fits in the device's free memory, else float32 (with a note)."""
     try:
@@ -120,7 +127,7 @@ def _whole_model_dtype(model: nn.Module, device: str) -> tuple[torch.dtype, str]
 def _run(io: IOModule, samples, dtype: torch.dtype, count_flops: bool, device: str) -> tuple[list[Outputs], int]:
     outputs: list[Outputs] = []
     flops = 0
-    with torch.inference_mode():
+    with torch.inference_mode(), promoted(dtype):
         for index, sample in enumerate(samples):
             args = cast_sample(sample, dtype, device)
             if index == 0 and count_flops:

@@ -71,6 +71,37 @@ def regularized_beta(x: float, a: float, b: float) -> float:
     return 1.0 - front * _beta_fraction(b, a, 1.0 - x) / b
 
 
+def _ratio_quantile(n: int, tail: float) -> float:
+    """The ``1 - tail`` quantile of ``rmse(X) / rmse(Y)``, X and Y two independent draws of ``n`` zero-mean normal
+    errors of one variance: the square root of F(n, n)'s quantile."""
+    if n <= 0:
+        return 1.0
+    if n > _EXACT_UP_TO:
+        return math.exp(_normal_quantile(tail) / math.sqrt(n))
+    a = n / 2.0
+    # P(F > f) = I_{1/(1+f)}(a, a): bisect on log x for I_x(a, a) = tail, then f = 1/x - 1
+    low, high = math.log(1e-300), math.log(0.5)
+    for _ in range(200):
+        mid = (low + high) / 2.0
+        if regularized_beta(math.exp(mid), a, a) > tail:
+            high = mid
+        else:
+            low = mid
+    return math.sqrt(1.0 / math.exp((low + high) / 2.0) - 1.0)
+
+
+def _normal_quantile(tail: float) -> float:
+    """z with P(Z > z) = tail (bisection on erfc)."""
+    low, high = 0.0, 40.0
+    for _ in range(200):
+        mid = (low + high) / 2.0
+        if 0.5 * math.erfc(mid / math.sqrt(2.0)) > tail:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2.0
+
+
 @functools.lru_cache(maxsize=4096)
 def sampling_factor(n: int) -> float:
     """How far one check's RMSE ratio can exceed the true ratio by chance: the (1 - FALSE_FAILURE) quantile of
@@ -83,26 +114,27 @@ def sampling_factor(n: int) -> float:
     one image) a candidate exactly as accurate as eager lands above ``2 x`` eager's error 30% of the time, with
     ``n`` = 4 10%, with ``n`` = 16 0.4%. s(1) = 6366, s(4) = 13.1, s(64) = 1.61, s(1024) = 1.12. A defect is not
     hidden by this: it shows in the larger outputs the small one is computed from (docs/numerics.md)."""
-    if n <= 0:
-        return 1.0
-    if n > _EXACT_UP_TO:
-        return math.exp(_Z / math.sqrt(n))
-    a = n / 2.0
-    # P(F > f) = I_{1/(1+f)}(a, a): bisect on log x for I_x(a, a) = FALSE_FAILURE, then f = 1/x - 1
-    low, high = math.log(1e-300), math.log(0.5)
-    for _ in range(200):
-        mid = (low + high) / 2.0
-        if regularized_beta(math.exp(mid), a, a) > FALSE_FAILURE:
-            high = mid
-        else:
-            low = mid
-    return math.sqrt(1.0 / math.exp((low + high) / 2.0) - 1.0)
+    return _ratio_quantile(n, FALSE_FAILURE)
+
+
+POWER = 0.95  # the probability with which the rounding check's stated increase is caught
+
+
+@functools.lru_cache(maxsize=4096)
+def detectable_ratio(k: float, n: int, power: float = POWER) -> float:
+    """The rounding check's stated power: the smallest true ratio ``rmse(candidate) / rmse(eager)`` that one check
+    of an output of ``n`` values fails with probability ``power``.
+
+    One check fails when the measured ratio passes ``k * s(n)``; the measured ratio is the true one times the
+    square root of an F(n, n) draw, so it fails with probability ``power`` from a true ratio of
+    ``k * s(n) * q`` on, ``q`` that draw's ``power`` quantile. A candidate whose error is that many times eager's
+    (an increase of ``ratio - 1``) fails; a defect smaller than that is for the weights and program proofs."""
+    return widened(k, n) * _ratio_quantile(n, 1.0 - power)
 
 
 def widened(k: float, n: int) -> float:
     """The rule's multiplier on eager's error for an output of ``n`` values: ``k * s(n)``."""
     return k * sampling_factor(int(n))
-
 
 
 def relative_floor(floor: float, dtype: str) -> float:

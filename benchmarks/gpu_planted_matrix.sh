@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The planted-defect matrix of `exporter check` on the GPU machine (bf16, h100-bf16), trained model built there.
+#   bash benchmarks/gpu_planted_matrix.sh   (writes under $OUT, default /tmp/out)
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+rm -rf /tmp/aotinductor_* /tmp/matrix-bf16
+export PYTHONPATH=src EXPORTER_CACHE=/tmp/exporter-cache
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" >> "$OUT/gpu.txt"
+time python3 benchmarks/planted_matrix.py /tmp/matrix-bf16 --recipe h100-bf16 --seeds "${SEEDS:-2}" \
+  > "$OUT/matrix-bf16.log" 2>&1
+echo "exit $?" >> "$OUT/matrix-bf16.log"
+cp /tmp/matrix-bf16/matrix.json /tmp/matrix-bf16/matrix.md "$OUT/" 2>/dev/null
+tail -20 "$OUT/matrix-bf16.log"

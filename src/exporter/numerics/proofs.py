@@ -1,0 +1,113 @@
+"""Recording the proofs an artifact gets beside its outputs' verdict (``VariantResult.proofs``, one JUnit case each),
+for convert and check alike:
+
+* **weights** (``numerics/weights.py``): every constant equals the checkpoint's tensor after the cast;
+* **program** (``numerics/program64.py``): the program, in float64 with the checkpoint's weights, computes what the
+  model computes;
+* **rounding** (``numerics/tolerance.py``): the outputs' rule, with its stated power.
+
+A weight that differs or a program that computes another function fails the artifact (numerics, exit 3) by name,
+whatever its outputs showed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..results import FAILED, NUMERICS_FAILED, OK, VariantResult
+from .program64 import ProgramProof, detached, prove_twin
+from .tolerance import POWER, detectable_ratio
+from .weights import WeightProof, prove_weights
+
+FROM_PROGRAM = ("exported_program", "aoti")  # convert's targets built from its one exported program
+
+
+def _fail(result: VariantResult, why: str) -> None:
+    if result.status != FAILED:
+        earlier = f"; {result.error}" if result.status == NUMERICS_FAILED and result.error else ""
+        result.fail(NUMERICS_FAILED, f"{why}{earlier}")
+
+
+def apply_proof(result: VariantResult, proof: WeightProof | str) -> None:
+    """Record the weights proof on ``result``; a changed weight fails the artifact (numerics, exit 3) by name,
+    before whatever its outputs showed."""
+    if isinstance(proof, str):
+        result.proofs["weights"] = {"passed": None, "summary": f"not run: {proof}"}
+        result.notes.append(f"weights proof not run: {proof}")
+        return
+    result.proofs["weights"] = proof.to_dict()
+    result.notes.append(f"weights proof: {'passed' if proof.passed else 'failed'}: {proof.summary()}")
+    if not proof.passed:
+        _fail(result, proof.summary())
+
+
+def apply_program(result: VariantResult, proof: ProgramProof | str) -> None:
+    if isinstance(proof, str):
+        result.proofs["program"] = {"passed": None, "summary": f"not run: {proof}"}
+        result.notes.append(f"program proof not run: {proof}")
+        return
+    result.proofs["program"] = proof.to_dict()
+    result.notes.append(f"program proof: {'passed' if proof.passed else 'failed'}: {proof.summary()}")
+    if not proof.passed:
+        _fail(result, proof.summary())
+
+
+def rounding_proof(result: VariantResult, sizes: dict[str, int], samples: int) -> None:
+    """The outputs' rule with its stated power (``proofs.rounding``): per output, the smallest error, as a multiple
+    of eager's, that one check fails with 95% probability; the artifact's power is its most sensitive output's."""
+    numerics = result.numerics
+    if numerics is None:
+        result.proofs["rounding"] = {"passed": None, "summary": "not run: the artifact did not run"}
+        return
+    k = numerics.k
+    per_output = {name: detectable_ratio(k, n) for name, n in sizes.items() if n > 0}
+    if not per_output:
+        return
+    best = min(per_output, key=per_output.__getitem__)
+    ratio = per_output[best]
+    summary = (f"an error {ratio:.3g}x eager's (an increase of {100 * (ratio - 1):.0f}%) on {best} fails with "
+               f"{POWER:.0%} probability (k={k:g}, {sizes[best]} values a sample, {samples} samples); "
+               f"{'within' if numerics.passed else 'over'} the bar")
+    result.proofs["rounding"] = {"passed": numerics.passed, "k": k, "power": POWER, "output": best,
+                                 "values": sizes[best], "samples": samples, "detects_ratio": ratio,
+                                 "detects_increase_pct": 100 * (ratio - 1),
+                                 "per_output": {n: round(r, 4) for n, r in per_output.items()}, "summary": summary}
+
+
+def checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors as loaded (and the buffers it computes, such as RoPE's frequencies), by name: taken
+    before the model is cast to the recipe's dtype, they are what the proofs compare with (the cast makes new
+    tensors; these keep the checkpoint's values)."""
+    return {**{n: b.detach() for n, b in model.named_buffers()}, **model.state_dict()}
+
+
+def prove_converted(results: list[VariantResult], program: Any, tensors: dict[str, torch.Tensor], device: str,
+                    samples: list[list[torch.Tensor]], reference: list[list[torch.Tensor]], names: tuple[str, ...],
+                    original: Any, quantized: bool) -> None:
+    """convert's own artifacts: the weights and program proofs of the exported program every ``FROM_PROGRAM``
+    target was built from (asked once, recorded on each), and the rounding proof of every candidate."""
+    sizes = {name: int(t.numel()) for name, t in zip(names, reference[0]) if t.is_floating_point()}
+    built = [r for r in results if r.target in FROM_PROGRAM and r.status in (OK, NUMERICS_FAILED)]
+    if built and program is not None:
+        if quantized:
+            why = "fp8 weights and scaled matrix products: judged against the quantized model's float64 arithmetic"
+            weights: WeightProof | str = why
+            proof: ProgramProof | str = why
+        else:
+            constants = {k: v for k, v in {**program.state_dict, **program.constants}.items()
+                         if isinstance(v, torch.Tensor)}
+            weights = prove_weights({k: v.detach().cpu() for k, v in constants.items()}, tensors)
+            proof = prove_twin(detached(program), tensors, device, lambda module, args: list(module(*args)),
+                               samples, reference, names, original, prefix="model.")
+        for result in built:
+            apply_proof(result, weights)
+            apply_program(result, proof)
+            if result.target != "exported_program" and isinstance(proof, ProgramProof):
+                result.proofs["program"]["of"] = "the exported program it was compiled from"
+    for result in results:
+        rounding_proof(result, sizes, len(samples))
+
+
+__all__ = ["apply_program", "apply_proof", "checkpoint_tensors", "prove_converted", "rounding_proof"]

@@ -1,0 +1,106 @@
+"""Defects planted in a user's program of the trained GPT-NeoX (:mod:`exporter.testing.trained`), as a user's
+script would make them: the checkpoint loaded with transformers, one thing changed, ``torch.export``.
+
+All in layer 1: ``scale`` attention scale x1.05; ``layernorm`` the input LayerNorm's weight x1.01; ``noise`` 0.5%
+relative noise on the MLP's first Linear; ``stale`` the attention's output projection from halfway through
+training; ``gelu-tanh`` tanh-approximated GELU for the exact one; ``rope-base`` the rotary base x1.01;
+``mask-shift`` the causal mask shifted by one (each position also sees the next). :data:`EXPECT` is what a
+gate must name for each. Used by ``benchmarks/planted_matrix.py`` and the tests of the proofs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+LAYER = 1
+EXPECT = {"scale": f"gpt_neox.layers.{LAYER}.attention", "layernorm": f"layers.{LAYER}.input_layernorm.weight",
+          "noise": f"layers.{LAYER}.mlp.dense_h_to_4h.weight", "stale": f"layers.{LAYER}.attention.dense.weight",
+          "gelu-tanh": f"gpt_neox.layers.{LAYER}.mlp", "rope-base": "rotary_emb.inv_freq",
+          "mask-shift": f"gpt_neox.layers.{LAYER}.attention"}
+NOT_APPLICABLE = {
+    "kv-cache-slot": "a forward program has no KV cache: the cache write is judged by convert --task "
+                     "text-generation's step-by-step gate",
+    "fp8-scale": "exporter check judges against the checkpoint's own model; fp8 scales are judged by convert "
+                 "--recipe h100-fp8",
+}
+
+
+def plant(model, defect: str, checkpoint: Path) -> None:
+    from safetensors.torch import load_file  # noqa: PLC0415
+
+    layer = model.gpt_neox.layers[LAYER]
+    with torch.no_grad():
+        if defect == "scale":
+            layer.attention.scaling *= 1.05
+        elif defect == "layernorm":
+            layer.input_layernorm.weight.mul_(1.01)
+        elif defect == "noise":
+            weight = layer.mlp.dense_h_to_4h.weight
+            weight.add_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(1)) * 0.005
+                        * weight.pow(2).mean().sqrt())
+        elif defect == "stale":
+            earlier = load_file(str(checkpoint / "earlier" / "model.safetensors"))
+            layer.attention.dense.weight.copy_(earlier[f"gpt_neox.layers.{LAYER}.attention.dense.weight"])
+        elif defect == "gelu-tanh":
+            layer.mlp.act = torch.nn.GELU(approximate="tanh")
+        elif defect == "rope-base":
+            rotary = model.gpt_neox.rotary_emb
+            dim = rotary.inv_freq.numel() * 2
+            base = model.config.rope_parameters["rope_theta"] * 1.01
+            rotary.inv_freq.copy_(1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)))
+        elif defect not in ("clean", "mask-shift"):  # mask-shift: planted while exporting (shifted_mask)
+            raise ValueError(defect)
+
+
+@contextlib.contextmanager
+def shifted_mask(defect: str):
+    """While exporting: layer 1's attention lets each position see the next one too (its causal mask shifted by one),
+    through transformers' public AttentionInterface."""
+    from transformers import AttentionInterface  # noqa: PLC0415
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: PLC0415
+
+    if defect != "mask-shift":
+        yield
+        return
+
+    def attend(module, query, key, value, mask, *rest, **kw):
+        if getattr(module, "layer_idx", None) == LAYER:
+            ones = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device)
+            allowed, next_one = ones.tril(1), ones.tril(1) & ~ones.tril(0)  # the causal mask, and its shift
+            if mask is None:
+                mask = allowed
+            elif mask.dtype == torch.bool:
+                mask = mask | next_one
+            else:
+                mask = mask.masked_fill(next_one, 0.0)
+            kw["is_causal"] = False
+        return sdpa_attention_forward(module, query, key, value, mask, *rest, **kw)
+
+    AttentionInterface.register("sdpa", attend)
+    try:
+        yield
+    finally:
+        AttentionInterface.register("sdpa", sdpa_attention_forward)
+
+
+def export(checkpoint: Path, path: Path, defect: str, device: str, dtype: torch.dtype, seed: int = 0) -> Path:
+    from transformers import GPTNeoXForCausalLM  # noqa: PLC0415
+
+    model = GPTNeoXForCausalLM.from_pretrained(checkpoint, attn_implementation="sdpa").eval()
+    plant(model, defect, checkpoint)
+    model.config.use_cache = False
+    model.to(device=device, dtype=dtype)
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(seed)).to(device)
+    batch, seq = torch.export.Dim("batch", min=1, max=16), torch.export.Dim("seq", min=2, max=128)
+    with shifted_mask(defect):
+        program = torch.export.export(model, (), {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                                      dynamic_shapes={"input_ids": {0: batch, 1: seq},
+                                                      "attention_mask": {0: batch, 1: seq}})
+    torch.export.save(program, str(path))
+    return path
+
+
+__all__ = ["EXPECT", "LAYER", "NOT_APPLICABLE", "export", "plant", "shifted_mask"]

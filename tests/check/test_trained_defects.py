@@ -1,0 +1,57 @@
+"""The gate's power on a model whose weights mean something (the trained GPT-NeoX of exporter.testing.trained):
+a user's bfloat16 program with a defect planted in layer 1 fails ``exporter check`` (exit 3), named by the proof
+that sees it, where its outputs alone stay within bfloat16's bar; the clean program passes every proof."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from exporter.testing.defects import EXPECT, export
+from exporter.testing.trained import trained_lm
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return trained_lm()
+
+
+def check(program, checkpoint, out) -> tuple[int, dict, str]:
+    done = subprocess.run([sys.executable, "-m", "exporter", "check", str(program), "--against", str(checkpoint),
+                           "--out", str(out), "--dim", "sequence=64"], capture_output=True, text=True)
+    entry = json.loads((out / "report.json").read_text())["artifacts"][0] if (out / "report.json").is_file() else {}
+    return done.returncode, entry, done.stderr
+
+
+def test_the_trained_model_learned_its_text(trained):
+    summary = json.loads((trained / "training.json").read_text())
+    assert summary["held_out_loss"] < 0.45 * summary["uniform_loss"]  # ~1.6 nats a byte against 5.5 for chance
+
+
+def test_a_clean_bfloat16_program_passes_every_proof(trained, tmp_path):
+    code, entry, stderr = check(export(trained, tmp_path / "clean.pt2", "clean", "cpu", torch.bfloat16), trained,
+                                tmp_path / "clean")
+    assert code == 0, stderr[-3000:]
+    proofs = entry["proofs"]
+    assert proofs["weights"]["passed"] and proofs["weights"]["changed"] == []
+    assert proofs["program"]["passed"] and proofs["program"]["worst"] < 1e-12 and proofs["program"]["kept"] == []
+    rounding = proofs["rounding"]
+    assert rounding["passed"] and rounding["power"] == 0.95 and 1.0 < rounding["detects_ratio"] < 4.0
+    assert f"{rounding['detects_increase_pct']:.0f}%" in rounding["summary"]
+
+
+@pytest.mark.parametrize("defect, proof", [("scale", "program"), ("gelu-tanh", "program"),
+                                           ("mask-shift", "program"), ("layernorm", "weights"),
+                                           ("rope-base", "weights"), ("stale", "weights")])
+def test_a_planted_defect_fails_named_by_its_proof(trained, tmp_path, defect, proof):
+    code, entry, stderr = check(export(trained, tmp_path / f"{defect}.pt2", defect, "cpu", torch.bfloat16), trained,
+                                tmp_path / defect)
+    assert code == 3, stderr[-3000:]
+    assert entry["proofs"][proof]["passed"] is False
+    assert EXPECT[defect] in entry["error"], entry["error"]
+    other = "weights" if proof == "program" else "program"
+    assert entry["proofs"][other]["passed"] is True  # each proof asks its own half of the question
