@@ -229,7 +229,7 @@ class ConvertRun:
         program = ctx.program if ctx.decomposed is None else ctx.decomposed  # what the artifacts were built from
         with progress.stage("proofs", "weights, and the program in float64"):
             prove_converted(results, program, tensors, device, samples, reference.outputs, signature.outputs,
-                            original, recipe.quantize.enabled)
+                            original, recipe.quantize.enabled, self.staging, signature.inputs)
             del tensors
         grid = validation.grid(results, live, plan, program, self.staging, progress)
         if later:

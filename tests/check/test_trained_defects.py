@@ -1,6 +1,7 @@
 """The gate's power on a model whose weights mean something (the trained GPT-NeoX of exporter.testing.trained):
-a user's bfloat16 program with a defect planted in layer 1 fails ``exporter check`` (exit 3), named by the proof
-that sees it, where its outputs alone stay within bfloat16's bar; the clean program passes every proof."""
+a user's bfloat16 program or float32 ONNX with a defect planted in layer 1 fails ``exporter check`` (exit 3),
+named by the proof that sees it; so does exporter convert's own program when the defect enters while it traces;
+the clean artifacts pass every proof."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from exporter.testing.defects import EXPECT, export
+from exporter.testing.defects import EXPECT, export, export_onnx, planted_in_convert
 from exporter.testing.trained import trained_lm
 
 
@@ -55,3 +56,33 @@ def test_a_planted_defect_fails_named_by_its_proof(trained, tmp_path, defect, pr
     assert EXPECT[defect] in entry["error"], entry["error"]
     other = "weights" if proof == "program" else "program"
     assert entry["proofs"][other]["passed"] is True  # each proof asks its own half of the question
+
+
+@pytest.mark.parametrize("dynamo", [True, False], ids=["dynamo", "torchscript"])
+def test_a_users_onnx_gets_the_program_proof_and_a_defect_is_located_by_value(trained, tmp_path, dynamo):
+    clean = export_onnx(trained, tmp_path / "clean.onnx", "clean", dynamo=dynamo)
+    code, entry, stderr = check(clean, trained, tmp_path / "clean")
+    assert code == 0, stderr[-3000:]
+    program = entry["proofs"]["program"]
+    assert program["passed"] and program["worst"] < 1e-7, program  # float32 literals: ~1e-8, not ~1e-15
+    bad = export_onnx(trained, tmp_path / "gelu.onnx", "gelu-tanh", dynamo=dynamo)
+    code, entry, stderr = check(bad, trained, tmp_path / "gelu")
+    assert code == 3, stderr[-3000:]
+    assert entry["proofs"]["program"]["passed"] is False and entry["proofs"]["weights"]["passed"] is True
+    assert EXPECT["gelu-tanh"] in entry["proofs"]["program"]["module"], entry["proofs"]["program"]
+
+
+def test_a_defect_entering_converts_export_fails_every_artifact_built_from_it(trained, tmp_path):
+    """The defect is planted only while convert traces the model (the reference, eager and the rewritten model stay
+    clean): the exported program, and the ONNX model made from it, fail the program proof, named."""
+    import exporter
+
+    with planted_in_convert(trained, "mask-shift"):
+        result = exporter.convert(trained, "cpu-fp32", tmp_path / "run", dims=("sequence=64",),
+                                  targets=("exported_program", "onnx"))
+    assert result.exit_code == 3
+    assert result.report["rewritten"]["status"] == "ok"
+    for entry in result.report["artifacts"]:
+        assert entry["status"] == "numerics_failed" and entry["proofs"]["program"]["passed"] is False, entry
+        assert EXPECT["mask-shift"] in entry["error"], entry["error"]
+        assert entry["proofs"]["weights"]["passed"] is True

@@ -13,29 +13,12 @@ from pathlib import Path
 
 import torch
 
+from ..numerics.onnx64 import onnx_constants
 from ..targets.program_file import read_constants
 from .artifacts import Artifact
 
 AOTI_NOTE = ("an AOTInductor package's constants live in its compiled library, which only its loader (native code) "
              "reads: no weights proof")
-
-
-def onnx_constants(path: Path) -> dict[str, torch.Tensor]:
-    """The initializers of the ONNX model at ``path`` (external data beside it), as CPU tensors by name."""
-    import numpy as np  # noqa: PLC0415
-    import onnx  # noqa: PLC0415
-    from onnx import TensorProto, numpy_helper  # noqa: PLC0415
-
-    proto = onnx.load(str(path), load_external_data=True)
-    found: dict[str, torch.Tensor] = {}
-    for initializer in proto.graph.initializer:
-        array = numpy_helper.to_array(initializer)
-        if initializer.data_type == TensorProto.BFLOAT16:
-            found[initializer.name] = torch.from_numpy(np.ascontiguousarray(array).view(np.int16).copy()).view(
-                torch.bfloat16)
-        elif array.dtype.kind in "fiub":
-            found[initializer.name] = torch.from_numpy(np.ascontiguousarray(array).copy())
-    return found
 
 
 def artifact_constants(artifact: Artifact, files: list[Path]) -> tuple[dict[str, torch.Tensor] | None, str]:

@@ -3,8 +3,8 @@
 
 * **weights**: every constant it carries equals the checkpoint's tensor after the cast (``numerics/weights.py``);
 * **program**: its program, run in float64 with the checkpoint's weights, computes what the model computes
-  (``numerics/program64.py``); a ``.pt2`` program only (an ONNX graph and a compiled package are not re-run in
-  float64 here, and the report says so);
+  (a ``.pt2``: ``numerics/program64.py``; an ONNX graph: ``numerics/onnx64.py``; a compiled package has no program
+  in it, and the report says so);
 * **rounding**: the outputs' rule (``numerics/tolerance.py``), with its stated power: the smallest increase of the
   error over eager's it fails with 95% probability.
 
@@ -22,7 +22,7 @@ import torch
 
 from ..errors import describe
 from ..modelio import import_spec_types, named_call
-from ..numerics.program64 import ProgramProof, prove_twin
+from ..numerics.program64 import ProgramProof, holding, prove_twin
 from ..numerics.proofs import apply_program, apply_proof, rounding_proof
 from ..numerics.weights import WeightProof, prove_weights
 from ..targets.program_file import load_program
@@ -45,15 +45,16 @@ def prove_artifact(artifact: Artifact, kept: list[Path], weights: dict[str, Any]
 
 def prove_program(artifact: Artifact, path: Path, spec: RunnerSpec, tensors: dict[str, torch.Tensor],
                   samples: list[list[torch.Tensor]], reference: list[list[torch.Tensor]], names: tuple[str, ...],
-                  original: Any, device: str) -> ProgramProof | str:
+                  original: Any, device: str, inputs: tuple[str, ...] = ()) -> ProgramProof | str:
     """The program proof of a ``.pt2`` artifact (its float64 twin against the float64 reference, and the first
     divergent module when it fails), or why it is not run."""
-    if artifact.target != "exported_program":
-        return ("an ONNX graph is not re-run in float64 here" if artifact.target == "onnx" else
-                "a compiled package's program is not in it (only its native code): no float64 twin")
+    if artifact.target not in ("exported_program", "onnx"):
+        return "a compiled package's program is not in it (only its native code): no float64 twin"
     if artifact.past is not None:
         return "a decoder with past is judged step by step: no float64 twin of its steps"
     t0 = time.perf_counter()
+    if artifact.target == "onnx":
+        return prove_onnx(path, tensors, samples, reference, names, original, t0, inputs)
     keywords, positional = spec.option("keywords"), spec.option("positional", 0)
     try:
         import_spec_types(artifact.imports)  # allow-listed ModelOutput modules only
@@ -67,6 +68,27 @@ def prove_program(artifact: Artifact, path: Path, spec: RunnerSpec, tensors: dic
     prefix = "model." if artifact.made_by == "exporter" else ""
     return prove_twin(program, tensors, device, call, samples, reference, names, original, prefix, keywords,
                       positional, t0)
+
+
+def prove_onnx(path: Path, tensors: dict[str, torch.Tensor], samples, reference, names: tuple[str, ...], original,
+               started: float, inputs: tuple[str, ...]) -> ProgramProof | str:
+    """The program proof of an ONNX model: its float64 twin (``numerics/onnx64.py``), localised by value."""
+    from ..numerics.locate import record_reference  # noqa: PLC0415
+    from ..numerics.onnx64 import NotTwinned, run_onnx_twin  # noqa: PLC0415
+
+    def locate_with(sample):
+        with holding(original.model, tensors):  # the checkpoint's own tensors, not the recipe's cast of them
+            return record_reference(original, sample, None, [])[0]
+
+    try:
+        proof = run_onnx_twin(path, tensors, samples, reference, inputs, names,
+                              locate_with if original is not None else None)
+    except NotTwinned as exc:
+        return str(exc)
+    except Exception as exc:  # noqa: BLE001 - the twin explains; the outputs are still judged
+        return f"its graph does not run in float64 ({describe(exc, 200)})"
+    proof.seconds = time.perf_counter() - started
+    return proof
 
 
 __all__ = ["apply_program", "apply_proof", "prove_artifact", "prove_program", "rounding_proof"]

@@ -295,7 +295,8 @@ class CheckRun:
                 apply_proof(result, proof)
                 if result.status != FAILED:
                     apply_program(result, prove_program(artifact, self.staging / path, spec, weights, samples,
-                                                        reference.outputs, signature.outputs, original, device))
+                                                        reference.outputs, signature.outputs, original, device,
+                                                        signature.inputs))
                 rounding_proof(result, sizes, len(samples))
         grid = validation.grid(results, live, plan, None, self.staging, progress)
         # a weight or a program the proofs named is where the divergence is: nothing to locate (nor any compiler

@@ -12,10 +12,13 @@ whatever its outputs showed.
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..errors import describe
 from ..results import FAILED, NUMERICS_FAILED, OK, VariantResult
 from .program64 import ProgramProof, detached, prove_twin
 from .tolerance import POWER, detectable_ratio
@@ -85,9 +88,11 @@ def checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def prove_converted(results: list[VariantResult], program: Any, tensors: dict[str, torch.Tensor], device: str,
                     samples: list[list[torch.Tensor]], reference: list[list[torch.Tensor]], names: tuple[str, ...],
-                    original: Any, quantized: bool) -> None:
+                    original: Any, quantized: bool, staging: Path | None = None,
+                    inputs: tuple[str, ...] = ()) -> None:
     """convert's own artifacts: the weights and program proofs of the exported program every ``FROM_PROGRAM``
-    target was built from (asked once, recorded on each), and the rounding proof of every candidate."""
+    target was built from (asked once, recorded on each), those of its ONNX model (``numerics/onnx64.py``), and
+    the rounding proof of every candidate."""
     sizes = {name: int(t.numel()) for name, t in zip(names, reference[0]) if t.is_floating_point()}
     built = [r for r in results if r.target in FROM_PROGRAM and r.status in (OK, NUMERICS_FAILED)]
     if built and program is not None:
@@ -107,7 +112,44 @@ def prove_converted(results: list[VariantResult], program: Any, tensors: dict[st
             if result.target != "exported_program" and isinstance(proof, ProgramProof):
                 result.proofs["program"]["of"] = "the exported program it was compiled from"
     for result in results:
+        if result.target == "onnx" and result.status in (OK, NUMERICS_FAILED) and staging is not None and result.path:
+            prove_onnx_built(result, staging / str(result.path), tensors, samples, reference, names, inputs, original,
+                             quantized)
         rounding_proof(result, sizes, len(samples))
+
+
+def prove_onnx_built(result: VariantResult, path: Path, tensors: dict[str, torch.Tensor], samples, reference,
+                     names: tuple[str, ...], inputs: tuple[str, ...], original: Any, quantized: bool) -> None:
+    """The weights and program proofs of convert's ONNX model, from its file."""
+    from .locate import record_reference  # noqa: PLC0415
+    from .onnx64 import NotTwinned, onnx_constants, run_onnx_twin  # noqa: PLC0415
+    from .program64 import holding  # noqa: PLC0415
+
+    if quantized:
+        why = "fp8 weights and scaled matrix products: judged against the quantized model's float64 arithmetic"
+        apply_proof(result, why)
+        apply_program(result, why)
+        return
+    t0 = time.perf_counter()
+    try:
+        apply_proof(result, prove_weights(onnx_constants(path), tensors))
+    except Exception as exc:  # noqa: BLE001 - the proof is not run; the outputs are still judged
+        apply_proof(result, f"its initializers could not be read ({describe(exc, 160)})")
+
+    def locate_with(sample):
+        with holding(original.model, tensors):
+            return record_reference(original, sample, None, [])[0]
+
+    try:
+        twin = run_onnx_twin(path, tensors, samples, reference, inputs, names,
+                             locate_with if original is not None else None)
+        twin.seconds = time.perf_counter() - t0
+        proof: ProgramProof | str = twin
+    except NotTwinned as exc:
+        proof = str(exc)
+    except Exception as exc:  # noqa: BLE001 - the twin explains; the outputs are still judged
+        proof = f"its graph does not run in float64 ({describe(exc, 200)})"
+    apply_program(result, proof)
 
 
 __all__ = ["apply_program", "apply_proof", "checkpoint_tensors", "prove_converted", "rounding_proof"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -28,31 +29,55 @@ NOT_APPLICABLE = {
 }
 
 
-def plant(model, defect: str, checkpoint: Path) -> None:
+def plant(model, defect: str, checkpoint: Path) -> Callable[[], None]:
+    """Plant ``defect`` in ``model`` (a GPTNeoXForCausalLM); returns what undoes it. A changed tensor is a new one
+    put in the old one's place, so whatever took the changed one (an exported program) keeps it after the undo."""
     from safetensors.torch import load_file  # noqa: PLC0415
 
     layer = model.gpt_neox.layers[LAYER]
+    undo: list[Callable[[], None]] = []
+
+    def replace(owner, name: str, value: torch.Tensor) -> None:
+        old = getattr(owner, name)
+        new = torch.nn.Parameter(value, requires_grad=False) if isinstance(old, torch.nn.Parameter) else value
+        setattr(owner, name, new) if isinstance(old, torch.nn.Parameter) else owner.register_buffer(
+            name, new, persistent=name in owner.state_dict())
+        undo.append(lambda: setattr(owner, name, old) if isinstance(old, torch.nn.Parameter) else
+                    owner.register_buffer(name, old, persistent=name in owner.state_dict()))
+
     with torch.no_grad():
         if defect == "scale":
-            layer.attention.scaling *= 1.05
+            scaling = layer.attention.scaling
+            layer.attention.scaling = scaling * 1.05
+            undo.append(lambda: setattr(layer.attention, "scaling", scaling))
         elif defect == "layernorm":
-            layer.input_layernorm.weight.mul_(1.01)
+            replace(layer.input_layernorm, "weight", layer.input_layernorm.weight * 1.01)
         elif defect == "noise":
             weight = layer.mlp.dense_h_to_4h.weight
-            weight.add_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(1)) * 0.005
-                        * weight.pow(2).mean().sqrt())
+            replace(layer.mlp.dense_h_to_4h, "weight", weight + torch.randn(
+                weight.shape, generator=torch.Generator().manual_seed(1)) * 0.005 * weight.pow(2).mean().sqrt())
         elif defect == "stale":
             earlier = load_file(str(checkpoint / "earlier" / "model.safetensors"))
-            layer.attention.dense.weight.copy_(earlier[f"gpt_neox.layers.{LAYER}.attention.dense.weight"])
+            stale = earlier[f"gpt_neox.layers.{LAYER}.attention.dense.weight"]
+            replace(layer.attention.dense, "weight", stale.to(layer.attention.dense.weight))
         elif defect == "gelu-tanh":
+            act = layer.mlp.act
             layer.mlp.act = torch.nn.GELU(approximate="tanh")
+            undo.append(lambda: setattr(layer.mlp, "act", act))
         elif defect == "rope-base":
             rotary = model.gpt_neox.rotary_emb
             dim = rotary.inv_freq.numel() * 2
             base = model.config.rope_parameters["rope_theta"] * 1.01
-            rotary.inv_freq.copy_(1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)))
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+            replace(rotary, "inv_freq", inv_freq.to(rotary.inv_freq))
         elif defect not in ("clean", "mask-shift"):  # mask-shift: planted while exporting (shifted_mask)
             raise ValueError(defect)
+
+    def undo_all() -> None:
+        for step in reversed(undo):
+            step()
+
+    return undo_all
 
 
 @contextlib.contextmanager
@@ -103,4 +128,62 @@ def export(checkpoint: Path, path: Path, defect: str, device: str, dtype: torch.
     return path
 
 
-__all__ = ["EXPECT", "LAYER", "NOT_APPLICABLE", "export", "plant", "shifted_mask"]
+class _Logits(torch.nn.Module):
+    """The wrapper a user's TorchScript export script writes: two tensors in, the logits out (the tracer would
+    otherwise take ``logits_to_keep`` as a third input)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
+def export_onnx(checkpoint: Path, path: Path, defect: str, dynamo: bool = True) -> Path:
+    """A user's float32 ONNX of the trained model with ``defect`` planted: ``torch.onnx.export`` with the dynamo
+    exporter, or TorchScript's (``dynamo=False``, what Optimum uses), as a user's script would call it."""
+    from transformers import GPTNeoXForCausalLM  # noqa: PLC0415
+
+    model = GPTNeoXForCausalLM.from_pretrained(checkpoint, attn_implementation="sdpa").eval()
+    plant(model, defect, checkpoint)
+    model.config.use_cache = False
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    names = ["input_ids", "attention_mask"]
+    with shifted_mask(defect), torch.no_grad():
+        if dynamo:
+            torch.onnx.export(model, (), str(path), kwargs={"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                              dynamic_shapes={n: {0: "batch", 1: "sequence"} for n in names}, dynamo=True,
+                              input_names=names, output_names=["logits"])
+        else:
+            torch.onnx.export(_Logits(model), (ids, torch.ones_like(ids)), str(path), dynamo=False,
+                              input_names=names, output_names=["logits"], opset_version=17,
+                              dynamic_axes={n: {0: "batch", 1: "sequence"} for n in [*names, "logits"]})
+    return path
+
+
+@contextlib.contextmanager
+def planted_in_convert(checkpoint: Path, defect: str):
+    """While inside, ``exporter convert`` plants ``defect`` only while it traces the model with ``torch.export``
+    (as a bug in its export path would): every artifact built from that program carries it; the float64
+    reference, the eager baseline and the rewritten model do not."""
+    from ..targets import exported_program  # noqa: PLC0415
+
+    real = exported_program._export_module
+
+    def traced(module, example, plan, notes, hints_first=False):
+        undo = plant(module.model, defect, checkpoint)
+        try:
+            with shifted_mask(defect):
+                return real(module, example, plan, notes, hints_first)
+        finally:
+            undo()
+
+    exported_program._export_module = traced
+    try:
+        yield
+    finally:
+        exported_program._export_module = real
+
+
+__all__ = ["EXPECT", "LAYER", "NOT_APPLICABLE", "export", "export_onnx", "plant", "planted_in_convert", "shifted_mask"]
