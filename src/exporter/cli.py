@@ -327,16 +327,20 @@ Examples:
                    "its shared library runs).")
 @click.option("--allow-artifact-pickle", is_flag=True,
               help="Also load a .pt2 that needs unpickling (the pickle's code runs).")
+@click.option("--checkpoint", type=click.Path(path_type=str), default=None,
+              help="The checkpoint the folder was made from (checked against manifest.json's hashes): also ask the "
+                   "weights and program proofs again.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def verify(out_dir, junit, allow_native_code, allow_artifact_pickle, as_json):
+def verify(out_dir, junit, allow_native_code, allow_artifact_pickle, checkpoint, as_json):
     """Release gate: re-hash OUT_DIR against manifest.json, re-run every artifact on the stored reference
-    inputs and compare with the stored reference outputs. Needs no checkpoint. Runs no pickle, and no
-    package another tool compiled, unless allowed (docs/check.md, threat model)."""
+    inputs and compare with the stored reference outputs. Needs no checkpoint; with --checkpoint the weights
+    and program proofs are asked again. Runs no pickle, and no package another tool compiled, unless allowed
+    (docs/check.md, threat model)."""
     from .verification import summary
     from .verification import verify as run_verify
 
     result = run_verify(out_dir, junit=junit, allow_native_code=allow_native_code,
-                        allow_artifact_pickle=allow_artifact_pickle)
+                        allow_artifact_pickle=allow_artifact_pickle, checkpoint=checkpoint)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2, default=str))
     for line in result.problems:

@@ -382,18 +382,22 @@ def _rerun(out: Path, report: dict[str, Any], entry: dict[str, Any], samples, re
 
 
 def verify(out_dir: str | Path, *, junit: str | Path | None = None, timeout_s: float = 3600.0,
-           allow_native_code: bool = False, allow_artifact_pickle: bool = False) -> VerifyResult:
+           allow_native_code: bool = False, allow_artifact_pickle: bool = False,
+           checkpoint: str | Path | None = None) -> VerifyResult:
     """Check an output folder against its manifest and re-run every artifact on the stored reference inputs.
     Nothing runs that the folder alone says may: a program that needs a pickle is loaded only with
     ``allow_artifact_pickle``, an AOTInductor package of an ``exporter check`` folder (another tool compiled it)
-    only with ``allow_native_code``; every file loaded lies in the folder and is hashed by its manifest."""
+    only with ``allow_native_code``; every file loaded lies in the folder and is hashed by its manifest. With
+    ``checkpoint`` (the one the folder was made from, checked by hash) the weights and program proofs are asked
+    again (``numerics/reproof.py``)."""
     out = out_folder(out_dir)
     if junit is not None:
         junit_mod.check_writable(junit)
     t_start = time.perf_counter()
     result = VerifyResult(out)
     try:
-        _verify(out, result, timeout_s, {"native_code": allow_native_code, "artifact_pickle": allow_artifact_pickle})
+        _verify(out, result, timeout_s, {"native_code": allow_native_code, "artifact_pickle": allow_artifact_pickle},
+                Path(checkpoint) if checkpoint is not None else None)
     finally:
         result.seconds = time.perf_counter() - t_start
         if junit is not None:
@@ -401,7 +405,8 @@ def verify(out_dir: str | Path, *, junit: str | Path | None = None, timeout_s: f
     return result
 
 
-def _verify(out: Path, result: VerifyResult, timeout_s: float, allow: dict[str, bool]) -> None:
+def _verify(out: Path, result: VerifyResult, timeout_s: float, allow: dict[str, bool],
+            checkpoint: Path | None = None) -> None:
     manifest_path = out / "manifest.json"
     if not manifest_path.is_file():
         result.checks.append(Check("folder", "manifest", False,
@@ -445,6 +450,7 @@ def _verify(out: Path, result: VerifyResult, timeout_s: float, allow: dict[str, 
         reference: Any = None
     else:
         samples, reference = reference_sources(out, report)
+    rerun: list[dict[str, Any]] = []
     for entry in artifacts:
         name = entry["name"]
         if not entry.get("path"):
@@ -466,6 +472,23 @@ def _verify(out: Path, result: VerifyResult, timeout_s: float, allow: dict[str, 
             _rerun_generation(out, entry, result, timeout_s)
         else:
             _rerun(out, report, entry, samples, reference, result, timeout_s, allow["artifact_pickle"])
+            rerun.append(entry)
+    if checkpoint is not None and rerun:
+        _reask(checkpoint, out, report, manifest, rerun, result, allow["artifact_pickle"])
+
+
+def _reask(checkpoint: Path, out: Path, report: dict[str, Any], manifest: dict[str, Any], entries: list[dict],
+           result: VerifyResult, allow_pickle: bool) -> None:
+    from .numerics.reproof import reask  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    samples, reference = load_reference(out, report)
+    for asked in reask(checkpoint, out, report, manifest, entries, samples, reference, allow_pickle):
+        code = EXIT_INTEGRITY if asked.name == "checkpoint" else EXIT_NUMERICS
+        fix = "pass the checkpoint the folder was made from (manifest.json lists its files' hashes)" \
+            if asked.name == "checkpoint" else ""
+        result.checks.append(Check(asked.subject, asked.name, asked.passed, asked.message, code,
+                                   time.perf_counter() - t0, fix))
 
 
 VERIFY_STEPS = 4  # decode steps a verify re-runs (teacher-forced and free), against the stored bars

@@ -86,3 +86,22 @@ def test_a_defect_entering_converts_export_fails_every_artifact_built_from_it(tr
         assert entry["status"] == "numerics_failed" and entry["proofs"]["program"]["passed"] is False, entry
         assert EXPECT["mask-shift"] in entry["error"], entry["error"]
         assert entry["proofs"]["weights"]["passed"] is True
+
+
+def test_verify_with_the_checkpoint_asks_the_proofs_again_and_refuses_another_checkpoint(trained, tmp_path):
+    import exporter
+
+    result = exporter.convert(trained, "cpu-fp32", tmp_path / "run", dims=("sequence=64",),
+                              targets=("exported_program", "onnx"))
+    assert result.exit_code == 0, result.report["problems"]
+    done = subprocess.run([sys.executable, "-m", "exporter", "verify", str(tmp_path / "run"), "--checkpoint",
+                           str(trained), "--json"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    checks = {(c["subject"], c["check"]): c for c in json.loads(done.stdout)["checks"]}
+    for name in ("exported_program", "onnx"):
+        assert checks[(name, "weights")]["status"] == "passed", checks[(name, "weights")]
+        assert checks[(name, "program")]["status"] == "passed", checks[(name, "program")]
+    stale = subprocess.run([sys.executable, "-m", "exporter", "verify", str(tmp_path / "run"), "--checkpoint",
+                            str(trained / "earlier")], capture_output=True, text=True)
+    assert stale.returncode == 6
+    assert "model.safetensors differs from the checkpoint the folder was made from" in stale.stderr
