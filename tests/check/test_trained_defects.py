@@ -105,3 +105,12 @@ def test_verify_with_the_checkpoint_asks_the_proofs_again_and_refuses_another_ch
                             str(trained / "earlier")], capture_output=True, text=True)
     assert stale.returncode == 6
     assert "model.safetensors differs from the checkpoint the folder was made from" in stale.stderr
+
+
+def test_the_training_script_learns(tmp_path):
+    """What made the shipped model: a few steps of the same script already lower the loss."""
+    from exporter.testing.trained import train
+
+    summary = train(tmp_path / "lm", steps=40)
+    assert summary["held_out_loss"] < summary["first_loss"] - 1.0
+    assert (tmp_path / "lm" / "earlier" / "model.safetensors").is_file()

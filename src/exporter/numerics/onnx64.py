@@ -4,10 +4,10 @@ The twin of an ONNX graph (``numerics/program64.py`` has the same for an exporte
 
 * every float32, float16 or bfloat16 the graph names becomes float64: its inputs', outputs' and values' types, the
   target of each ``Cast``, the tensors of ``Constant`` and ``ConstantOfShape``, in every subgraph;
-* every floating initializer is the checkpoint's tensor in float64, found by the initializer's name (a prefix
-  allowed), else by exact content (equal to the checkpoint tensor cast to its dtype, or that tensor transposed:
-  TorchScript's export stores ``W^T`` as ``onnx::MatMul_123``); one traced to nothing keeps its own value, upcast,
-  and is named.
+* every floating initializer is the checkpoint's tensor in float64, found as a program's constant is
+  (:class:`~exporter.numerics.program64.Sources`: by name, by exact content, transposed included, since
+  TorchScript's export stores ``W^T`` as ``onnx::MatMul_123``, else the nearest of its shape); one traced to
+  nothing keeps its own value, upcast, and is named.
 
 Float32 literals (a ``1/sqrt(2)`` the exporter wrote as a float32 ``Constant``) stay float32-rounded: the twin of an
 ONNX graph sits ~1e-8 from the reference instead of ~1e-15, a hundred times under the bar. Float16 and bfloat16
@@ -35,8 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .program64 import ProgramProof, _compare
-from .weights import _named, _same, _suffixes
+from .program64 import ProgramProof, Sources, _compare
 
 
 class NotTwinned(Exception):
@@ -108,32 +107,10 @@ def promote_onnx(proto: Any, tensors: dict[str, torch.Tensor], proof: ProgramPro
 
     low = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16}
     double = TensorProto.DOUBLE
-    names = _suffixes(tensors)
-    by_shape: dict[tuple[int, ...], list[torch.Tensor]] = {}
-    for tensor in tensors.values():
-        if tensor.is_floating_point():
-            by_shape.setdefault(tuple(tensor.shape), []).append(tensor)
-            if tensor.dim() == 2:
-                by_shape.setdefault((tensor.shape[1], tensor.shape[0]), []).append(tensor.t())
+    sources = Sources(tensors, proof)
 
     def twin(name: str, value: torch.Tensor) -> np.ndarray:
-        source = tensors.get(_named(name, names) or "")
-        if source is not None and source.numel() == value.numel() and source.is_floating_point():
-            source = source if source.shape == value.shape else (
-                source.t() if source.dim() == 2 and source.t().shape == value.shape else None)
-        else:
-            source = None
-        if source is not None:
-            proof.by_name += 1
-        else:
-            source = next((t for t in by_shape.get(tuple(value.shape), []) if _same(value, t)), None)
-            if source is not None:
-                proof.by_content += 1
-            else:
-                source = value
-                if value.numel() > 1:
-                    proof.kept.append(name)
-        return source.detach().to(torch.float64).contiguous().numpy()
+        return sources.float64(name, value).contiguous().numpy()
 
     def retype(values) -> None:
         for value in values:

@@ -9,7 +9,8 @@ are compared. The program itself, though, is a graph of ATen ops that runs in an
   promoted to float64: the casts the model wrote for its precision become no-ops;
 * every floating constant is the checkpoint's tensor in float64, found by the program's own name for it (a
   prefix such as ``model.`` allowed), else by exact content (the constant equals the checkpoint tensor cast to
-  its dtype, possibly transposed); a constant traced to nothing keeps its own value, upcast, and is named.
+  its dtype, possibly transposed), else the nearest tensor of its shape (a changed weight: the weights proof names
+  it); a constant traced to nothing keeps its own value, upcast, and is named.
 
 The weights proof (``numerics/weights.py``) has already compared those constants with the checkpoint bit for bit,
 so the twin asks the other half of the question: given exactly the checkpoint's weights, does the program compute
@@ -35,7 +36,7 @@ import torch
 
 from ..errors import describe
 from .promote import LOW, PromoteCasts
-from .weights import _named, _same, _suffixes
+from .weights import PAIRING, _named, _same, _suffixes
 
 PROGRAM_BAR = 2.0 ** -20  # of rms(reference): sixteen float32 roundings; float64 twins measure ~1e-15
 # where the twin had to keep constants traced to no checkpoint tensor at their own float32 values (an ONNX
@@ -111,44 +112,109 @@ def promote_graph(graph: torch.fx.Graph) -> int:
     return changed
 
 
-def twin_tensors(program: Any, tensors: dict[str, torch.Tensor], device: torch.device | str) -> ProgramProof:
-    """Replace ``program``'s floating state and constants (in place) by the checkpoint's ``tensors`` in float64
-    on ``device`` (see the module's docstring); returns a passing proof holding the tracing counts."""
-    proof = ProgramProof(True)
-    names = _suffixes(tensors)
-    by_shape: dict[tuple[int, ...], list[torch.Tensor]] = {}
-    for tensor in tensors.values():
-        if tensor.is_floating_point():
-            by_shape.setdefault(tuple(tensor.shape), []).append(tensor)
-            if tensor.dim() == 2:
-                by_shape.setdefault((tensor.shape[1], tensor.shape[0]), []).append(tensor.t())
+class Sources:
+    """Where each constant of an artifact comes from in the checkpoint: its own name (a prefix allowed), else
+    exact content (equal after the cast, possibly transposed), else the nearest tensor of its shape (what the
+    weights proof pairs a changed constant with: that proof names the change; the program is asked with the
+    checkpoint's value)."""
 
-    def twin(name: str, value: torch.Tensor) -> torch.Tensor:
-        source = tensors.get(_named(name, names) or "")
-        if source is not None and source.numel() == value.numel():
+    def __init__(self, tensors: dict[str, torch.Tensor], proof: ProgramProof):
+        self.tensors, self.proof = tensors, proof
+        self.names = _suffixes(tensors)
+        self.by_shape: dict[tuple[int, ...], list[torch.Tensor]] = {}
+        for tensor in tensors.values():
+            if tensor.is_floating_point():
+                self.by_shape.setdefault(tuple(tensor.shape), []).append(tensor)
+                if tensor.dim() == 2:
+                    self.by_shape.setdefault((tensor.shape[1], tensor.shape[0]), []).append(tensor.t())
+
+    def float64(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """The checkpoint's tensor for the artifact's constant ``name`` in float64 (the constant itself, upcast
+        and listed in ``kept``, where none is found)."""
+        return self.source(name, value).to(torch.float64)
+
+    def source(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """The checkpoint's tensor for the artifact's constant ``name``, in the checkpoint's own dtype (the constant
+        itself, listed in ``kept``, where none is found)."""
+        source = self.tensors.get(_named(name, self.names) or "")
+        if source is not None and source.numel() == value.numel() and source.is_floating_point():
             source = source if source.shape == value.shape else (
                 source.t() if source.dim() == 2 and source.t().shape == value.shape else None)
         else:
             source = None
         if source is not None:
-            proof.by_name += 1
-        else:
-            source = next((t for t in by_shape.get(tuple(value.shape), []) if _same(value.cpu(), t)), None)
-            if source is not None:
-                proof.by_content += 1
-            else:
-                source = value
-                if value.numel() > 1:
-                    proof.kept.append(name)
-        return source.detach().to(device=device, dtype=torch.float64)
+            self.proof.by_name += 1
+            return source.detach()
+        value = value.detach().cpu()
+        candidates = self.by_shape.get(tuple(value.shape), [])
+        source = next((t for t in candidates if _same(value, t)), None)
+        if source is None and value.numel() > 1:
+            scored = [(float((value.double() - t.double()).norm()) / max(float(t.double().norm()), 1e-300), i)
+                      for i, t in enumerate(candidates)]
+            scored = [x for x in scored if x[0] < PAIRING]
+            source = candidates[min(scored)[1]] if scored else None
+        if source is not None:
+            self.proof.by_content += 1
+            return source.detach()
+        if value.numel() > 1:
+            self.proof.kept.append(name)
+        return value
 
+
+def twin_tensors(program: Any, tensors: dict[str, torch.Tensor], device: torch.device | str) -> ProgramProof:
+    """Replace ``program``'s floating state and constants (in place) by the checkpoint's ``tensors`` on ``device``,
+    in their own dtype (each op of the twin upcasts what it reads: :class:`Twin`); returns a passing proof holding
+    the tracing counts."""
+    proof = ProgramProof(True)
+    sources = Sources(tensors, proof)
     for table in (program.state_dict, program.constants):
         for name, value in list(table.items()):
             if isinstance(value, torch.Tensor) and value.is_floating_point():
-                promoted = twin(name, value)
-                table[name] = torch.nn.Parameter(promoted, requires_grad=False) if isinstance(
-                    value, torch.nn.Parameter) else promoted
+                found = sources.source(name, value).to(device)
+                table[name] = torch.nn.Parameter(found, requires_grad=False) if isinstance(
+                    value, torch.nn.Parameter) else found
     return proof
+
+
+def _up(value: Any) -> Any:
+    return value.to(torch.float64) if isinstance(value, torch.Tensor) and value.dtype in LOW else value
+
+
+class _Float64(torch.fx.Interpreter):
+    """Runs a promoted graph with each op's floating inputs upcast as it reads them: the weights stay in the
+    checkpoint's dtype, and only one op's float64 copies live at a time (a float64 copy of a 1 GB float32
+    checkpoint would be 2 GB more)."""
+
+    def call_function(self, target, args, kwargs):
+        return target(*torch.utils._pytree.tree_map(_up, args), **torch.utils._pytree.tree_map(_up, kwargs))
+
+
+class Twin:
+    """A promoted program called as the artifact is (positional or keyword inputs, its own output structure)."""
+
+    def __init__(self, program: Any):
+        self.program = program
+
+    def __call__(self, *args, **kwargs):
+        from torch.export.graph_signature import OutputKind  # noqa: PLC0415
+
+        program = self.program
+        flat = program._graph_module_flat_inputs(args, kwargs)
+        out = _Float64(program.graph_module).run(*flat)
+        out = list(out) if isinstance(out, (list, tuple)) else [out]
+        user = len([o for o in program.graph_signature.output_specs if o.kind == OutputKind.USER_OUTPUT])
+        return torch.utils._pytree.tree_unflatten(out[len(out) - user:], program.call_spec.out_spec)
+
+
+def materialize(program: Any) -> None:
+    """Every floating state tensor and constant of a twin in float64 (in place): for ``torch.export.unflatten``,
+    which runs the graph as written (localisation only, on a failure)."""
+    for table in (program.state_dict, program.constants):
+        for name, value in list(table.items()):
+            if isinstance(value, torch.Tensor) and value.dtype in LOW:
+                cast = value.detach().to(torch.float64)
+                table[name] = torch.nn.Parameter(cast, requires_grad=False) if isinstance(
+                    value, torch.nn.Parameter) else cast
 
 
 def _compare(proof: ProgramProof, index: int, names: tuple[str, ...], expected: list[torch.Tensor],
@@ -182,7 +248,7 @@ def run_twin(program: Any, tensors: dict[str, torch.Tensor], device: str,
             promote_graph(module.graph)
             module.recompile()
     proof = twin_tensors(program, tensors, device)
-    module = program.module()
+    module = Twin(program)
     with torch.inference_mode():
         for index, (sample, expected) in enumerate(zip(samples, reference)):
             args = [(t.to(torch.float64) if t.is_floating_point() else t).to(device) for t in sample]
@@ -199,6 +265,7 @@ def locate_twin(program: Any, calls: list, sample: list[torch.Tensor], device: s
     from .locate_program import first_divergent, recorder  # noqa: PLC0415
     from .module_checks import floats, hooks_on  # noqa: PLC0415
 
+    materialize(program)
     unflat = torch.export.unflatten(program)
     graph: dict[tuple[str, int], tuple[list, list]] = {}
     args = [(t.to(torch.float64) if t.is_floating_point() else t).to(device) for t in sample]

@@ -21,6 +21,14 @@ EXPECT = {"scale": f"gpt_neox.layers.{LAYER}.attention", "layernorm": f"layers.{
           "noise": f"layers.{LAYER}.mlp.dense_h_to_4h.weight", "stale": f"layers.{LAYER}.attention.dense.weight",
           "gelu-tanh": f"gpt_neox.layers.{LAYER}.mlp", "rope-base": "rotary_emb.inv_freq",
           "mask-shift": f"gpt_neox.layers.{LAYER}.attention"}
+# also right for the RoPE base where the frequencies are no constant of the artifact: the rotary module (located by
+# value), or the first attention the folded cos/sin tables enter (an ONNX optimizer folds them into constants)
+ALSO = {"rope-base": ("gpt_neox.rotary_emb", "gpt_neox.layers.0.attention")}
+
+
+def named(defect: str, text: str) -> bool:
+    """Whether ``text`` (a failure's line) names what ``defect`` planted (:data:`EXPECT`, or one of :data:`ALSO`)."""
+    return any(name in text for name in (EXPECT[defect], *ALSO.get(defect, ())))
 NOT_APPLICABLE = {
     "kv-cache-slot": "a forward program has no KV cache: the cache write is judged by convert --task "
                      "text-generation's step-by-step gate",
@@ -186,4 +194,5 @@ def planted_in_convert(checkpoint: Path, defect: str):
         exported_program._export_module = real
 
 
-__all__ = ["EXPECT", "LAYER", "NOT_APPLICABLE", "export", "export_onnx", "plant", "planted_in_convert", "shifted_mask"]
+__all__ = ["ALSO", "EXPECT", "LAYER", "NOT_APPLICABLE", "export", "export_onnx", "named", "plant", "planted_in_convert",
+           "shifted_mask"]
