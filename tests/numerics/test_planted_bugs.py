@@ -8,7 +8,6 @@ overflow and the export-only defect live in user models (``--model module:functi
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -20,6 +19,7 @@ import torch
 
 import exporter
 from exporter.recipe import load_recipe
+from exporter.testing.defects import planted_sdpa
 
 pytestmark = pytest.mark.slow
 
@@ -29,26 +29,6 @@ def quick(targets, **runtime):
     return dataclasses.replace(recipe, bench=dataclasses.replace(recipe.bench, warmup=1, rounds=1, iterations=2),
                                targets=dataclasses.replace(recipe.targets, build=tuple(targets)),
                                runtime=dataclasses.replace(recipe.runtime, **runtime))
-
-
-@contextlib.contextmanager
-def planted_sdpa(defect):
-    """Route transformers' "sdpa" attention through ``defect`` (then the real SDPA function); restore on exit."""
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    original = ALL_ATTENTION_FUNCTIONS._global_mapping["sdpa"]
-
-    def attention(module, query, key, value, attention_mask, *args, **kwargs):
-        query, key, value, attention_mask, kwargs = defect(module, query, key, value, attention_mask, kwargs)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
-
-    AttentionInterface.register("sdpa", attention)
-    try:
-        yield
-    finally:
-        AttentionInterface.register("sdpa", original)
 
 
 def dropped_mask(module, q, k, v, mask, kwargs):

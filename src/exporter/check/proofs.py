@@ -22,8 +22,8 @@ import torch
 
 from ..errors import describe
 from ..modelio import import_spec_types, named_call
-from ..numerics.program64 import ProgramProof, holding, prove_twin
-from ..numerics.proofs import apply_program, apply_proof, rounding_proof
+from ..numerics.program64 import ProgramProof, prove_twin
+from ..numerics.proofs import onnx_program
 from ..numerics.weights import WeightProof, prove_weights
 from ..targets.program_file import load_program
 from ..targets.spec import RunnerSpec
@@ -54,7 +54,7 @@ def prove_program(artifact: Artifact, path: Path, spec: RunnerSpec, tensors: dic
         return "a decoder with past is judged step by step: no float64 twin of its steps"
     t0 = time.perf_counter()
     if artifact.target == "onnx":
-        return prove_onnx(path, tensors, samples, reference, names, original, t0, inputs)
+        return onnx_program(path, tensors, samples, reference, names, inputs, original)
     keywords, positional = spec.option("keywords"), spec.option("positional", 0)
     try:
         import_spec_types(artifact.imports)  # allow-listed ModelOutput modules only
@@ -70,25 +70,4 @@ def prove_program(artifact: Artifact, path: Path, spec: RunnerSpec, tensors: dic
                       positional, t0)
 
 
-def prove_onnx(path: Path, tensors: dict[str, torch.Tensor], samples, reference, names: tuple[str, ...], original,
-               started: float, inputs: tuple[str, ...]) -> ProgramProof | str:
-    """The program proof of an ONNX model: its float64 twin (``numerics/onnx64.py``), localised by value."""
-    from ..numerics.locate import record_reference  # noqa: PLC0415
-    from ..numerics.onnx64 import NotTwinned, run_onnx_twin  # noqa: PLC0415
-
-    def locate_with(sample):
-        with holding(original.model, tensors):  # the checkpoint's own tensors, not the recipe's cast of them
-            return record_reference(original, sample, None, [])[0]
-
-    try:
-        proof = run_onnx_twin(path, tensors, samples, reference, inputs, names,
-                              locate_with if original is not None else None)
-    except NotTwinned as exc:
-        return str(exc)
-    except Exception as exc:  # noqa: BLE001 - the twin explains; the outputs are still judged
-        return f"its graph does not run in float64 ({describe(exc, 200)})"
-    proof.seconds = time.perf_counter() - started
-    return proof
-
-
-__all__ = ["apply_program", "apply_proof", "prove_artifact", "prove_program", "rounding_proof"]
+__all__ = ["prove_artifact", "prove_program"]

@@ -30,7 +30,7 @@ from ..errors import CheckpointError, ExporterError, UsageError
 from ..inputs import plan_inputs
 from ..measure.bench import benchmark
 from ..modelio import Signature, discover_outputs
-from ..numerics.proofs import checkpoint_tensors
+from ..numerics.proofs import checkpoint_tensors, record, rounding_proof
 from ..numerics.reference import run_reference
 from ..numerics.validation import Validation
 from ..outdir import OutputFolder, disk_full, model_name, os_problem, path_from, public_command, sha256_file
@@ -45,7 +45,7 @@ from .artifacts import Artifact, find_artifacts
 from .locating import locate_artifact
 from .mapping import map_inputs, map_outputs
 from .past import INPUTS, PastSteps, output_names, past_recipe
-from .proofs import apply_program, apply_proof, prove_artifact, prove_program, rounding_proof
+from .proofs import prove_artifact, prove_program
 from .untrusted import Folder, copy_in, refuse_native_code
 
 FOLDER = "artifact"  # where the judged files are kept in the output folder
@@ -292,11 +292,11 @@ class CheckRun:
                 runner = validation.remote(result, spec)
                 if runner is not None:
                     live[artifact.name] = runner
-                apply_proof(result, proof)
+                record(result, "weights", proof)
                 if result.status != FAILED:
-                    apply_program(result, prove_program(artifact, self.staging / path, spec, weights, samples,
-                                                        reference.outputs, signature.outputs, original, device,
-                                                        signature.inputs))
+                    record(result, "program", prove_program(artifact, self.staging / path, spec, weights, samples,
+                                                            reference.outputs, signature.outputs, original, device,
+                                                            signature.inputs))
                 rounding_proof(result, sizes, len(samples))
         grid = validation.grid(results, live, plan, None, self.staging, progress)
         # a weight or a program the proofs named is where the divergence is: nothing to locate (nor any compiler

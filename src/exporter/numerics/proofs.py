@@ -20,7 +20,7 @@ import torch
 
 from ..errors import describe
 from ..results import FAILED, NUMERICS_FAILED, OK, VariantResult
-from .program64 import ProgramProof, detached, prove_twin
+from .program64 import ProgramProof, detached, holding, prove_twin
 from .tolerance import POWER, detectable_ratio
 from .weights import WeightProof, prove_weights
 
@@ -33,26 +33,18 @@ def _fail(result: VariantResult, why: str) -> None:
         result.fail(NUMERICS_FAILED, f"{why}{earlier}")
 
 
-def apply_proof(result: VariantResult, proof: WeightProof | str) -> None:
-    """Record the weights proof on ``result``; a changed weight fails the artifact (numerics, exit 3) by name,
-    before whatever its outputs showed."""
-    if isinstance(proof, str):
-        result.proofs["weights"] = {"passed": None, "summary": f"not run: {proof}"}
-        result.notes.append(f"weights proof not run: {proof}")
-        return
-    result.proofs["weights"] = proof.to_dict()
-    result.notes.append(f"weights proof: {'passed' if proof.passed else 'failed'}: {proof.summary()}")
-    if not proof.passed:
-        _fail(result, proof.summary())
+QUANTIZED = "fp8 weights and scaled matrix products: judged against the quantized model's float64 arithmetic"
 
 
-def apply_program(result: VariantResult, proof: ProgramProof | str) -> None:
+def record(result: VariantResult, name: str, proof: WeightProof | ProgramProof | str) -> None:
+    """Record the ``name`` proof (weights | program) on ``result``; one that failed fails the artifact (numerics,
+    exit 3) by name, before whatever its outputs showed. A string says why the proof was not run."""
     if isinstance(proof, str):
-        result.proofs["program"] = {"passed": None, "summary": f"not run: {proof}"}
-        result.notes.append(f"program proof not run: {proof}")
+        result.proofs[name] = {"passed": None, "summary": f"not run: {proof}"}
+        result.notes.append(f"{name} proof not run: {proof}")
         return
-    result.proofs["program"] = proof.to_dict()
-    result.notes.append(f"program proof: {'passed' if proof.passed else 'failed'}: {proof.summary()}")
+    result.proofs[name] = proof.to_dict()
+    result.notes.append(f"{name} proof: {'passed' if proof.passed else 'failed'}: {proof.summary()}")
     if not proof.passed:
         _fail(result, proof.summary())
 
@@ -97,9 +89,8 @@ def prove_converted(results: list[VariantResult], program: Any, tensors: dict[st
     built = [r for r in results if r.target in FROM_PROGRAM and r.status in (OK, NUMERICS_FAILED)]
     if built and program is not None:
         if quantized:
-            why = "fp8 weights and scaled matrix products: judged against the quantized model's float64 arithmetic"
-            weights: WeightProof | str = why
-            proof: ProgramProof | str = why
+            weights: WeightProof | str = QUANTIZED
+            proof: ProgramProof | str = QUANTIZED
         else:
             constants = {k: v for k, v in {**program.state_dict, **program.constants}.items()
                          if isinstance(v, torch.Tensor)}
@@ -107,8 +98,8 @@ def prove_converted(results: list[VariantResult], program: Any, tensors: dict[st
             proof = prove_twin(detached(program), tensors, device, lambda module, args: list(module(*args)),
                                samples, reference, names, original, prefix="model.")
         for result in built:
-            apply_proof(result, weights)
-            apply_program(result, proof)
+            record(result, "weights", weights)
+            record(result, "program", proof)
             if result.target != "exported_program" and isinstance(proof, ProgramProof):
                 result.proofs["program"]["of"] = "the exported program it was compiled from"
     for result in results:
@@ -121,35 +112,45 @@ def prove_converted(results: list[VariantResult], program: Any, tensors: dict[st
 def prove_onnx_built(result: VariantResult, path: Path, tensors: dict[str, torch.Tensor], samples, reference,
                      names: tuple[str, ...], inputs: tuple[str, ...], original: Any, quantized: bool) -> None:
     """The weights and program proofs of convert's ONNX model, from its file."""
-    from .locate import record_reference  # noqa: PLC0415
-    from .onnx64 import NotTwinned, onnx_constants, run_onnx_twin  # noqa: PLC0415
-    from .program64 import holding  # noqa: PLC0415
+    record(result, "weights", QUANTIZED if quantized else onnx_weights(path, tensors))
+    record(result, "program", QUANTIZED if quantized else onnx_program(path, tensors, samples, reference, names,
+                                                                        inputs, original))
 
-    if quantized:
-        why = "fp8 weights and scaled matrix products: judged against the quantized model's float64 arithmetic"
-        apply_proof(result, why)
-        apply_program(result, why)
-        return
-    t0 = time.perf_counter()
+
+def onnx_weights(path: Path, tensors: dict[str, torch.Tensor]) -> WeightProof | str:
+    """The weights proof of an ONNX model: its initializers (external data included) against the checkpoint's
+    tensors, or why it is not run."""
+    from .onnx64 import onnx_constants  # noqa: PLC0415
+
     try:
-        apply_proof(result, prove_weights(onnx_constants(path), tensors))
+        return prove_weights(onnx_constants(path), tensors)
     except Exception as exc:  # noqa: BLE001 - the proof is not run; the outputs are still judged
-        apply_proof(result, f"its initializers could not be read ({describe(exc, 160)})")
+        return f"its initializers could not be read ({describe(exc, 160)})"
+
+
+def onnx_program(path: Path, tensors: dict[str, torch.Tensor], samples, reference, names: tuple[str, ...],
+                 inputs: tuple[str, ...], original: Any = None) -> ProgramProof | str:
+    """The program proof of an ONNX model (``numerics/onnx64.py``): its float64 twin against the float64
+    ``reference``, localised by value against ``original`` run with the checkpoint's own tensors when it fails
+    (no ``original``: not localised), or why it is not run."""
+    from .locate import record_reference  # noqa: PLC0415
+    from .onnx64 import NotTwinned, run_onnx_twin  # noqa: PLC0415
 
     def locate_with(sample):
-        with holding(original.model, tensors):
+        with holding(original.model, tensors):  # the checkpoint's own tensors, not the recipe's cast of them
             return record_reference(original, sample, None, [])[0]
 
+    t0 = time.perf_counter()
     try:
-        twin = run_onnx_twin(path, tensors, samples, reference, inputs, names,
-                             locate_with if original is not None else None)
-        twin.seconds = time.perf_counter() - t0
-        proof: ProgramProof | str = twin
+        proof = run_onnx_twin(path, tensors, samples, reference, inputs, names,
+                              locate_with if original is not None else None)
     except NotTwinned as exc:
-        proof = str(exc)
+        return str(exc)
     except Exception as exc:  # noqa: BLE001 - the twin explains; the outputs are still judged
-        proof = f"its graph does not run in float64 ({describe(exc, 200)})"
-    apply_program(result, proof)
+        return f"its graph does not run in float64 ({describe(exc, 200)})"
+    proof.seconds = time.perf_counter() - t0
+    return proof
 
 
-__all__ = ["apply_program", "apply_proof", "checkpoint_tensors", "prove_converted", "rounding_proof"]
+__all__ = ["QUANTIZED", "checkpoint_tensors", "onnx_program", "onnx_weights", "prove_converted", "record",
+           "rounding_proof"]

@@ -44,16 +44,10 @@ def _checkpoint_problem(files: list[Path], manifest: dict[str, Any]) -> str | No
     return None
 
 
-def _weights(proof: WeightProof | str, subject: str) -> Asked:
+def _asked(subject: str, name: str, proof: WeightProof | ProgramProof | str) -> Asked:
     if isinstance(proof, str):
-        return Asked(subject, "weights", None, f"not asked: {proof}")
-    return Asked(subject, "weights", proof.passed, proof.summary())
-
-
-def _program(proof: ProgramProof | str, subject: str) -> Asked:
-    if isinstance(proof, str):
-        return Asked(subject, "program", None, f"not asked: {proof}")
-    return Asked(subject, "program", proof.passed, proof.summary())
+        return Asked(subject, name, None, f"not asked: {proof}")
+    return Asked(subject, name, proof.passed, proof.summary())
 
 
 def reask(checkpoint: Path, out: Path, report: dict[str, Any], manifest: dict[str, Any], entries: list[dict],
@@ -64,8 +58,7 @@ def reask(checkpoint: Path, out: Path, report: dict[str, Any], manifest: dict[st
     from ..checkpoint import load_model  # noqa: PLC0415
     from ..modelio import import_spec_types  # noqa: PLC0415
     from ..targets.program_file import load_program, read_constants  # noqa: PLC0415
-    from .onnx64 import NotTwinned, onnx_constants, run_onnx_twin  # noqa: PLC0415
-    from .proofs import checkpoint_tensors  # noqa: PLC0415
+    from .proofs import QUANTIZED, checkpoint_tensors, onnx_program, onnx_weights  # noqa: PLC0415
 
     recipe = report.get("recipe") or {}
     if (recipe.get("model") or {}).get("factory"):
@@ -86,22 +79,13 @@ def reask(checkpoint: Path, out: Path, report: dict[str, Any], manifest: dict[st
     for entry in entries:
         name, target, path = entry["name"], entry["target"], out / entry["path"]
         if (report.get("quantization") or {}):
-            why = "fp8 weights: judged against the quantized model's float64 arithmetic"
-            asked += [Asked(name, "weights", None, f"not asked: {why}"), Asked(name, "program", None,
-                                                                              f"not asked: {why}")]
+            asked += [Asked(name, "weights", None, f"not asked: {QUANTIZED}"),
+                      Asked(name, "program", None, f"not asked: {QUANTIZED}")]
             continue
         device = "cpu" if target == "onnx" else entry["device"]
         if target == "onnx":
-            try:
-                weights: WeightProof | str = prove_weights(onnx_constants(path), tensors)
-            except Exception as exc:  # noqa: BLE001
-                weights = f"its initializers could not be read ({describe(exc, 160)})"
-            try:
-                program: ProgramProof | str = run_onnx_twin(path, tensors, samples, reference, inputs, outputs)
-            except NotTwinned as exc:
-                program = str(exc)
-            except Exception as exc:  # noqa: BLE001
-                program = f"its graph does not run in float64 ({describe(exc, 200)})"
+            weights: WeightProof | str = onnx_weights(path, tensors)
+            program: ProgramProof | str = onnx_program(path, tensors, samples, reference, outputs, inputs)
         elif target in ("exported_program", "aoti"):
             source = path if target == "exported_program" else program_file
             if source is None:
@@ -121,7 +105,7 @@ def reask(checkpoint: Path, out: Path, report: dict[str, Any], manifest: dict[st
                 program = f"its program does not run in float64 ({describe(exc, 200)})"
         else:
             continue
-        asked += [_weights(weights, name), _program(program, name)]
+        asked += [_asked(name, "weights", weights), _asked(name, "program", program)]
     return asked
 
 

@@ -89,34 +89,51 @@ def plant(model, defect: str, checkpoint: Path) -> Callable[[], None]:
 
 
 @contextlib.contextmanager
-def shifted_mask(defect: str):
-    """While exporting: layer 1's attention lets each position see the next one too (its causal mask shifted by one),
-    through transformers' public AttentionInterface."""
+def planted_sdpa(defect: Callable):
+    """Route transformers' "sdpa" attention through ``defect(module, query, key, value, mask, kwargs)`` (which
+    returns them, changed or not), then the real SDPA function, through transformers' public AttentionInterface;
+    the function registered before is registered again on exit."""
     from transformers import AttentionInterface  # noqa: PLC0415
     from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: PLC0415
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: PLC0415
 
-    if defect != "mask-shift":
-        yield
-        return
+    before: Callable = ALL_ATTENTION_FUNCTIONS._global_mapping["sdpa"]  # type: ignore[assignment]
 
-    def attend(module, query, key, value, mask, *rest, **kw):
-        if getattr(module, "layer_idx", None) == LAYER:
-            ones = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device)
-            allowed, next_one = ones.tril(1), ones.tril(1) & ~ones.tril(0)  # the causal mask, and its shift
-            if mask is None:
-                mask = allowed
-            elif mask.dtype == torch.bool:
-                mask = mask | next_one
-            else:
-                mask = mask.masked_fill(next_one, 0.0)
-            kw["is_causal"] = False
-        return sdpa_attention_forward(module, query, key, value, mask, *rest, **kw)
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        query, key, value, attention_mask, kwargs = defect(module, query, key, value, attention_mask, kwargs)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
 
-    AttentionInterface.register("sdpa", attend)
+    AttentionInterface.register("sdpa", attention)
     try:
         yield
     finally:
-        AttentionInterface.register("sdpa", sdpa_attention_forward)
+        AttentionInterface.register("sdpa", before)
+
+
+def _next_position_seen(module, query, key, value, mask, kwargs):
+    """Layer ``LAYER``'s attention lets each position see the next one too (its causal mask shifted by one)."""
+    if getattr(module, "layer_idx", None) == LAYER:
+        ones = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device)
+        allowed, next_one = ones.tril(1), ones.tril(1) & ~ones.tril(0)  # the causal mask, and its shift
+        if mask is None:
+            mask = allowed
+        elif mask.dtype == torch.bool:
+            mask = mask | next_one
+        else:
+            mask = mask.masked_fill(next_one, 0.0)
+        kwargs = {**kwargs, "is_causal": False}
+    return query, key, value, mask, kwargs
+
+
+@contextlib.contextmanager
+def shifted_mask(defect: str):
+    """While exporting: layer 1's attention lets each position see the next one too (its causal mask shifted by
+    one)."""
+    if defect != "mask-shift":
+        yield
+        return
+    with planted_sdpa(_next_position_seen):
+        yield
 
 
 def export(checkpoint: Path, path: Path, defect: str, device: str, dtype: torch.dtype, seed: int = 0) -> Path:
@@ -195,4 +212,4 @@ def planted_in_convert(checkpoint: Path, defect: str):
 
 
 __all__ = ["ALSO", "EXPECT", "LAYER", "NOT_APPLICABLE", "export", "export_onnx", "named", "plant", "planted_in_convert",
-           "shifted_mask"]
+           "planted_sdpa", "shifted_mask"]
