@@ -48,6 +48,18 @@ def test_every_help_ends_with_its_exit_codes():
         assert "Exit codes: 0" in out.split("Options:")[-1], f"exporter {' '.join(path)} --help:\n{out}"
 
 
+def test_the_groups_help_lists_every_exit_code_and_generate_lists_its_own():
+    from exporter.errors import EXIT_CODES, EXIT_INTERNAL
+
+    top = " ".join(CliRunner().invoke(cli, ["--help"]).output.split())
+    for code in EXIT_CODES:
+        if code.code != EXIT_INTERNAL:
+            assert f"{code.code} {code.short}" in top, top
+    generate = " ".join(CliRunner().invoke(cli, ["generate", "--help"]).output.split())
+    codes = generate.split("Exit codes:")[-1]
+    assert "6 integrity failure" in codes and "3 numerics" not in codes, codes
+
+
 def test_the_recorded_command_always_names_the_recipe():
     """run.command in report.json: the recipe is recorded even when it was the default (defaults can change)."""
     from exporter.cli import typed_command

@@ -63,7 +63,48 @@ def test_a_failed_run_leaves_nothing(tmp_path):
             write_atomic(folder.staging / "half.txt", "x")
             raise RuntimeError("stage failed")
     assert not final.exists()
-    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
+    assert [p.name for p in tmp_path.iterdir()] == []  # no lock file left either
+
+
+def test_a_published_run_leaves_only_its_folder(tmp_path):
+    with OutputFolder(tmp_path / "out") as folder:
+        write_atomic(folder.staging / "a.txt", "x")
+        folder.publish()
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_a_run_that_opened_the_lock_as_its_holder_removed_it_takes_the_new_one(tmp_path):
+    """The holder removes the lock file on release; a run that opened the old file meanwhile must not hold a lock
+    no later run can see."""
+    import fcntl
+    import os
+
+    first = OutputFolder(tmp_path / "out")
+    first.open()
+    stale = os.open(first.lock_path, os.O_RDWR)  # opened before the holder lets go
+    first.discard()
+    first.release()
+    assert not first.lock_path.exists()
+    fcntl.flock(stale, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the removed file: lockable, but no longer the lock
+    second = OutputFolder(tmp_path / "out")
+    second.open()  # takes the file now at the lock's path
+    try:
+        with pytest.raises(OutputError, match="another exporter run is writing"):
+            OutputFolder(tmp_path / "out").open()
+    finally:
+        os.close(stale)
+        second.discard()
+        second.release()
+
+
+def test_an_unwritable_junit_path_is_refused_before_any_work():
+    """Permissions do not bind root: /sys refuses everyone a new file, and the refusal must come up front."""
+    from exporter.junit import check_writable
+
+    with pytest.raises(OutputError, match="cannot write the JUnit file"):
+        check_writable("/sys/exporter-junit.xml")
+    with pytest.raises(OutputError):
+        write_atomic(__import__("pathlib").Path("/sys/exporter-junit.xml"), "x")
 
 
 def test_second_run_into_the_same_folder_fails_fast(tmp_path):

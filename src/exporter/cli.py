@@ -138,7 +138,7 @@ def checked(checkpoint, recipe, factory, dims, tensors, rewrite, targets, settin
 
 
 @click.group(cls=OnceGroup, context_settings={"help_option_names": ["-h", "--help"]},
-             epilog="\b\n" + exit_codes_help("convert"))
+             epilog="\b\n" + exit_codes_help("all"))
 @click.version_option(package_name="exporter", prog_name="exporter")
 def cli() -> None:
     """Turn a trained checkpoint into validated, faster deployable artifacts."""
@@ -368,12 +368,13 @@ Examples:
   exporter convert CKPT --recipe h100-bf16 --task text-generation --out build/llm
   exporter generate build/llm --target aoti --input-ids 128000,791,6864 --max-new-tokens 32
   exporter generate build/llm -t exported_program --input-ids 1,2,3 --input-ids 4,5 --json
-  exporter convert t5-small --recipe cpu-fp32 --task text2text-generation --out build/t5
+  exporter convert ./t5-small --recipe cpu-fp32 --task text2text-generation --out build/t5
   exporter generate build/t5 -t exported_program --input-ids 37,423,19,1 --max-new-tokens 16
+  exporter convert ./whisper-tiny --recipe cpu-fp32 --task automatic-speech-recognition --out build/whisper
   exporter generate build/whisper -t aoti --input-features mel.safetensors
 
 \b
-""" + exit_codes_help("convert")
+""" + exit_codes_help("generate")
 
 
 @cli.command(epilog=GENERATE_EXAMPLES)

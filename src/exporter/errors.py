@@ -74,7 +74,7 @@ EXIT_CODES: tuple[ExitCode, ...] = (
              "(SIGKILL: the out-of-memory killer)",
              verify="environment: an artifact built for CUDA on a machine without a GPU; the `--junit` file cannot be "
                     "written"),
-    ExitCode(EXIT_INTEGRITY, "integrity failure (verify)", "",
+    ExitCode(EXIT_INTEGRITY, "integrity failure (verify, generate)", "",
              verify="integrity failure: no `manifest.json` (the run never finished); a file missing, changed (SHA-256 "
                     "or size) or not listed; `report.json` or the stored reference changed, or a report without "
                     "per-sample bars"),
@@ -111,6 +111,11 @@ def exit_codes_help(command: str = "convert") -> str:
         text = ("Exit codes: " + ", ".join(f"{code} {meaning}" for code, meaning in entries) +
                 "; a batch ends with its worst cell's code, in that order (2 also: the plan has problems).")
         return textwrap.fill(text, width=76) + "\n"
+    elif command == "generate":  # reads a folder convert made (checked against its manifest) and runs a program
+        entries = [(EXIT_OK, "generated")] + [(c, next(e.short for e in EXIT_CODES if e.code == c))
+                                              for c in (EXIT_USAGE, EXIT_TARGET, EXIT_ENVIRONMENT, EXIT_INTEGRITY)]
+    elif command == "all":  # the group's help: every code some command returns
+        entries = [(e.code, e.short) for e in EXIT_CODES if e.code != EXIT_INTERNAL]
     elif command == "read":  # commands that only read (inspect, recipes): a mistake or what the machine lacks
         entries = [(EXIT_OK, "done")] + [(c, next(e.short for e in EXIT_CODES if e.code == c))
                                          for c in (EXIT_USAGE, EXIT_ENVIRONMENT)]

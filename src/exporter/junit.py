@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,13 @@ def check_writable(path: str | Path) -> None:
         raise OutputError(f"cannot write the JUnit file {path}", "pass a file path in a writable folder to --junit")
     if not os.access(existing, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise OutputError(f"cannot write the JUnit file {path}: permission denied", "pass a writable --junit path")
+    try:  # permissions do not tell everything (a read-only or virtual file system, as root): try a file there
+        fd, probe = tempfile.mkstemp(prefix=".junit-probe.", suffix=".tmp", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise OutputError(f"cannot write the JUnit file {path}: {exc.strerror or type(exc).__name__}",
+                          "pass a writable --junit path") from None
 
 
 __all__ = ["Case", "render", "write", "check_writable"]

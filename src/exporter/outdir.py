@@ -76,7 +76,10 @@ def write_atomic(path: Path, data: bytes | str) -> None:
     """Write ``data`` to ``path`` completely or not at all (temp file, fsync, rename)."""
     path = Path(path)
     payload = data.encode("utf-8") if isinstance(data, str) else data
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise _os_problem(exc, path) from None
     try:
         os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as handle:
@@ -245,20 +248,7 @@ class OutputFolder:
             raise _os_problem(exc, self.final.parent) from None
         if not os.access(self.final.parent, os.W_OK):
             raise OutputError(f"output folder {self.final.parent} is not writable", "choose a writable --out folder")
-        try:
-            fd = os.open(self.lock_path, os.O_CREAT | os.O_RDWR, 0o644)
-        except OSError as exc:
-            raise _os_problem(exc, self.lock_path) from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            self._lock_fd = fd
-        except BlockingIOError:
-            os.close(fd)
-            raise OutputError(f"another exporter run is writing {self.final}",
-                              "wait for it to finish, or choose another --out") from None
-        except OSError as exc:
-            os.close(fd)
-            raise _os_problem(exc, self.lock_path) from None
+        self._lock()
         self._remove_stale()
         try:
             self.staging = Path(tempfile.mkdtemp(prefix=f".{self.final.name}.partial-", dir=self.final.parent))
@@ -268,6 +258,34 @@ class OutputFolder:
             self.release()
             raise _os_problem(exc, self.final.parent) from None
         return self.staging
+
+    def _lock(self) -> None:
+        """Hold the lock file beside ``final``. Its holder removes it on release, so a file locked after its holder
+        removed it is no longer the lock: take the one now at ``lock_path`` instead."""
+        for _ in range(100):
+            try:
+                fd = os.open(self.lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+            except OSError as exc:
+                raise _os_problem(exc, self.lock_path) from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise OutputError(f"another exporter run is writing {self.final}",
+                                  "wait for it to finish, or choose another --out") from None
+            except OSError as exc:
+                os.close(fd)
+                raise _os_problem(exc, self.lock_path) from None
+            try:
+                held, there = os.fstat(fd), os.stat(self.lock_path)
+                current = (held.st_dev, held.st_ino) == (there.st_dev, there.st_ino)
+            except FileNotFoundError:
+                current = False
+            if current:
+                self._lock_fd = fd
+                return
+            os.close(fd)  # its holder removed it while this run waited on it: lock the new one
+        raise OutputError(f"the lock file {self.lock_path} keeps being replaced", "choose another --out")
 
     def _remove_stale(self) -> None:
         """Staging and old folders of earlier runs into ``final`` that ended without cleaning up (killed, or a
@@ -307,12 +325,18 @@ class OutputFolder:
             self.staging = None
 
     def release(self) -> None:
+        """Remove the lock file, then let it go (removed while held: a run that opened it meanwhile sees it is no
+        longer the lock, in :meth:`_lock`)."""
         if self._lock_fd is not None:
             try:
+                try:
+                    os.unlink(self.lock_path)
+                except OSError:
+                    pass
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
                 os.close(self._lock_fd)
             finally:
-                self._lock_fd = None  # the lock file stays: unlinking it would race with a waiting run
+                self._lock_fd = None
 
 
 def public_path(path: str | Path) -> str:

@@ -392,6 +392,35 @@ def test_outputs_without_the_models_names_are_compared_in_order(tiny_models, tmp
     assert any("compared with the model's" in n for n in report["inputs"]["notes"])
 
 
+def test_a_package_returning_one_tensor_is_judged_as_its_program_is(tiny_models, tmp_path):
+    """A program returning only ``last_hidden_state`` (a bare tensor) and the package compiled from it: both are
+    compared with the model's first output, in order."""
+    from transformers import BertModel
+
+    class FirstOutput(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask):
+            return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+    model = BertModel.from_pretrained(tiny_models["bert"], attn_implementation="sdpa").eval()
+    ids = torch.randint(0, 1000, (2, 16))
+    batch, seq = torch.export.Dim("batch", min=1, max=16), torch.export.Dim("seq", min=2, max=128)
+    program = torch.export.export(FirstOutput(model), (ids, torch.ones_like(ids)),
+                                  dynamic_shapes=({0: batch, 1: seq}, {0: batch, 1: seq}))
+    torch.export.save(program, str(tmp_path / "one.pt2"))
+    package = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "one.aoti.pt2"))
+    (artifact,) = find_artifacts(Path(package))
+    assert [p.name for p in artifact.outputs] == ["output_0"]
+    for path, opt_in in ((tmp_path / "one.pt2", ()), (Path(package), ("--allow-native-code",))):
+        done = run_check(path, "--against", tiny_models["bert"], "--out", tmp_path / path.stem, *opt_in)
+        assert done.returncode == 0, done.stderr[-3000:]
+        report = json.loads((tmp_path / path.stem / "report.json").read_text())
+        assert report["outputs"] == ["last_hidden_state"], report["outputs"]
+
+
 def sentence_transformers_folder(bert: Path, folder: Path) -> Path:
     """The tiny BERT as a sentence-transformers folder: mean pooling, then normalisation."""
     shutil.copytree(bert, folder)

@@ -332,14 +332,17 @@ def test_only_the_program_reader_loads_a_pt2():
     assert found == []
 
 
-def test_a_damaged_archive_is_refused_in_one_line(bert_program, tiny_models, tmp_path):
+@pytest.mark.parametrize("entry, damage", [("_weights_config.json", b"{not json"),
+                                           ("models/model.json", b"{not json"), ("models/model.json", b"{}"),
+                                           ("models/model.json", b"[1, 2]"), ("models/model.json", b"\xff\xfe")])
+def test_a_damaged_archive_is_refused_in_one_line(entry, damage, bert_program, tiny_models, tmp_path):
     import zipfile
 
     damaged = tmp_path / "damaged.pt2"
     with zipfile.ZipFile(bert_program) as old, zipfile.ZipFile(damaged, "w") as new:
         for info in old.infolist():
             data = old.read(info.filename)
-            new.writestr(info.filename, b"{not json" if info.filename.endswith("_weights_config.json") else data)
+            new.writestr(info.filename, damage if info.filename.endswith(entry) else data)
     done = check(damaged, "--against", tiny_models["bert"], "--out", tmp_path / "out")
     assert done.returncode == 2 and "is not a readable torch.export archive" in one_error(done)
     assert not (tmp_path / "out").exists()

@@ -44,6 +44,31 @@ def test_generate_refuses_what_it_cannot_run(llama_generation, generate_cli, tmp
     assert forward.returncode == 2 and "--task text-generation" in forward.stderr
 
 
+@pytest.mark.parametrize("damage", ["truncated", "cache_length", "not utf-8"])
+def test_generate_refuses_a_changed_or_damaged_setup_in_one_line(damage, llama_generation, generate_cli, tmp_path):
+    """generate checks what it reads as data against manifest.json, as verify does (exit 6); a damaged setup that
+    matches a rewritten manifest is refused as damaged (exit 2). Never a traceback."""
+    import shutil
+
+    from exporter.testing.payloads import rehash
+
+    copy = tmp_path / "copy"
+    shutil.copytree(llama_generation.out, copy)
+    text = (copy / "generation.json").read_text()
+    setup = json.loads(text)
+    damaged = {"truncated": text[: len(text) // 2].encode(), "not utf-8": b"\xff\xfe{",
+               "cache_length": json.dumps({**setup, "cache_length": setup["cache_length"] * 2}).encode()}[damage]
+    (copy / "generation.json").write_bytes(damaged)
+    changed = generate_cli(str(copy), "-t", "exported_program", "--input-ids", "1,2")
+    assert changed.returncode == 6 and "generation.json does not match its SHA-256" in changed.stderr, changed.stderr
+    assert len(changed.stderr.strip().splitlines()) == 1 and "Traceback" not in changed.stderr
+    if damage != "cache_length":
+        rehash(copy)
+        unreadable = generate_cli(str(copy), "-t", "exported_program", "--input-ids", "1,2")
+        assert unreadable.returncode == 2 and "generation setup is damaged" in unreadable.stderr, unreadable.stderr
+        assert len(unreadable.stderr.strip().splitlines()) == 1 and "Traceback" not in unreadable.stderr
+
+
 def test_verify_re_runs_a_short_generation(llama_generation):
     result = verify(llama_generation.out)
     assert result.passed, result.problems

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import re
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -164,6 +165,13 @@ def _spec_names(serialized: str) -> tuple[list[str], int]:
     return [str(n) for n in names], len(args["children_spec"])
 
 
+def _out_count(serialized: str) -> int:
+    """How many tensors a serialized output spec returns: a tensor is one, a tuple or list one per child."""
+    _, tree = json.loads(serialized)
+    children = tree.get("children_spec") or []
+    return len(children) if tree.get("type") in ("builtins.tuple", "builtins.list") else max(1, len(children))
+
+
 def _out_names(serialized: str) -> list[str] | None:
     """Output names from a serialized output spec: a dict's or a ModelOutput's keys (None: a tuple or a tensor)."""
     _, tree = json.loads(serialized)
@@ -270,7 +278,9 @@ def describe_package(path: Path, archive: zipfile.ZipFile, made_by: str, name: s
         inputs = [Port(f"arg{i}", None, None) for i in range(positional)] + [Port(n, None, None) for n in keywords]
         call = "keyword" if keywords else "positional"
     if out_spec:
-        outputs = [Port(n, None, None) for n in (_out_names(out_spec) or [])]
+        named = _out_names(out_spec)
+        # a tensor or a tuple: unnamed outputs, compared with the model's in order (as a program's are)
+        outputs = [Port(n, None, None) for n in (named or [f"output_{i}" for i in range(_out_count(out_spec))])]
     artifact = Artifact(name, "aoti", path, made_by, inputs, outputs, [path], call=call,
                         positional=positional if call == "keyword" else 0,
                         imports=spec_modules(in_spec, out_spec, path=path))
@@ -287,11 +297,17 @@ def describe_pt2(path: Path, made_by: str = "torch.export", name: str | None = N
                          "pass a file written by torch.export.save or an AOTInductor package") from None
     with archive:
         names = archive.namelist()
-        if any("/data/aotinductor/" in n or n.startswith("data/aotinductor/") for n in names):
-            return describe_package(path, archive, "AOTInductor" if made_by == "torch.export" else made_by,
-                                    name or "aoti")
-        if any(re.search(r"(^|/)models/[^/]+\.json$", n) for n in names):
-            return describe_program(path, archive, made_by, name or "exported_program")
+        try:
+            if any("/data/aotinductor/" in n or n.startswith("data/aotinductor/") for n in names):
+                return describe_package(path, archive, "AOTInductor" if made_by == "torch.export" else made_by,
+                                        name or "aoti")
+            if any(re.search(r"(^|/)models/[^/]+\.json$", n) for n in names):
+                return describe_program(path, archive, made_by, name or "exported_program")
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError, StopIteration, zipfile.BadZipFile,
+                zlib.error, EOFError, NotImplementedError) as exc:  # JSON or UTF-8 errors are ValueErrors
+            raise UsageError(f"{path.name} is not a readable torch.export archive (its program description is "
+                             f"damaged: {type(exc).__name__})",
+                             "pass the file torch.export.save or aoti_compile_and_package wrote") from None
     raise UsageError(f"{path} is a zip archive but neither a torch.export program nor an AOTInductor package",
                      "pass a file written by torch.export.save or torch._inductor.aoti_compile_and_package")
 

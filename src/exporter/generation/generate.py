@@ -18,7 +18,7 @@ from .seq2seq import TASKS as SEQ2SEQ_TASKS
 from .seq2seq import Seq2SeqLayout, Source
 from .seq2seq import check_fits as seq2seq_check_fits
 from .seq2seq import generate as seq2seq_generate
-from .session import read_setup, seq2seq_steps
+from .session import check_setup, read_setup, seq2seq_steps
 
 
 def generate_tokens(out_dir: str | Path, target: str, prompts: list[list[int]], max_new_tokens: int | None = None,
@@ -31,6 +31,7 @@ def generate_tokens(out_dir: str | Path, target: str, prompts: list[list[int]], 
         raise UsageError(f"{folder} holds no generation programs (no generation.json)",
                          "convert with --task text-generation (or text2text-generation, automatic-speech-recognition), "
                          "and pass that output folder")
+    check_setup(folder)
     setup, _ = read_setup(folder)
     if target not in targets.NAMES or not targets.get(target).decoder_built(folder):
         built = [t.name for t in targets.TARGETS if t.decoder_built(folder)]

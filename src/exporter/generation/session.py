@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from .. import targets
 from ..attention_backend import backend_context
 from ..dtypes import torch_dtype
-from ..errors import describe
+from ..errors import UsageError, describe
 from ..measure.bench import synchronize
 from . import bench
 from .cache import CacheLayout
@@ -56,8 +56,38 @@ def finite(value: Any) -> Any:
 
 
 def read_setup(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    setup = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
-    return setup, load_file(folder / REFERENCE)
+    """The folder's generation setup and stored reference; a UsageError (one line) where either is unreadable."""
+    try:
+        setup = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+        if not isinstance(setup, dict) or not isinstance(setup.get("layout"), dict):
+            raise ValueError("not a generation setup")
+        stored = load_file(folder / REFERENCE)
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # JSON, UTF-8 and safetensors' errors included
+        raise UsageError(f"{folder.name}'s generation setup is damaged ({describe(exc, 120)})",
+                         f"run exporter verify {folder} to see what changed, or convert again") from None
+    return setup, stored
+
+
+def check_setup(folder: Path) -> None:
+    """What generate reads as data (``generation.json``, the stored reference) against ``manifest.json``'s SHA-256,
+    as verify checks them: a changed setup (a cache length the programs do not have) is refused before anything
+    loads (exit 6). The programs themselves load as data (``targets/program_file.py``); verify hashes them."""
+    from ..errors import IntegrityError  # noqa: PLC0415
+    from ..outdir import sha256_file  # noqa: PLC0415
+
+    fix = f"run exporter verify {folder} to see what changed, or convert again"
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
+        recorded = {str(f["path"]): f["sha256"] for f in manifest["files"]}
+    except FileNotFoundError:
+        raise IntegrityError(f"{folder.name} holds no manifest.json (its convert never finished)", fix) from None
+    except (OSError, ValueError, KeyError, TypeError):
+        raise IntegrityError(f"{folder.name}'s manifest.json is damaged", fix) from None
+    for rel in (MANIFEST, REFERENCE):
+        if rel not in recorded:
+            raise IntegrityError(f"{rel} is not listed in {folder.name}'s manifest.json", fix)
+        if not (folder / rel).is_file() or sha256_file(folder / rel) != recorded[rel]:
+            raise IntegrityError(f"{rel} does not match its SHA-256 in manifest.json (changed after convert)", fix)
 
 
 def run(request: dict[str, Any]) -> dict[str, Any]:

@@ -629,6 +629,26 @@ def _(tmp, a):
                 "is not a .pt2 archive", out=tmp / "out")
 
 
+@case("exporter check", "a .pt2 whose program description is damaged")
+def _(tmp, a):
+    import zipfile
+
+    made, broken = _linear_program(tmp), tmp / "model.pt2"
+    with zipfile.ZipFile(made) as old, zipfile.ZipFile(broken, "w") as new:
+        for info in old.infolist():
+            new.writestr(info.filename, b"{not json" if info.filename.endswith("models/model.json") else
+                         old.read(info.filename))
+    return Case("a .pt2 whose program description is damaged", "exporter check", check_argv(broken, a, tmp), 2,
+                "is not a readable torch.export archive", out=tmp / "out")
+
+
+@case("exporter check", "a --junit file no one can write")
+def _(tmp, a):
+    return Case("a --junit file no one can write", "exporter check",
+                check_argv(_linear_program(tmp), a, tmp, "--junit", "/sys/exporter-check.xml"), 5,
+                "cannot write the JUnit file", out=tmp / "out")
+
+
 @case("exporter check", "an artifact of another model")
 def _(tmp, a):
     import onnx
