@@ -37,6 +37,8 @@ def test_catalogue_case(build, assets, tmp_path):
             assert not out.exists() or not any(out.iterdir()), f"{case.name}: left {list(out.iterdir())}"
         leftovers = [p.name for p in out.parent.glob(f".{out.name}.partial-*")] if out.parent.exists() else []
         assert leftovers == [], f"{case.name}: staging left behind: {leftovers}"
+        if "a second convert" not in case.name:  # a refused run leaves no lock file (one another run holds stays)
+            assert not (out.parent / f".{out.name}.lock").exists(), f"{case.name}: lock file left behind"
     else:
         assert (tmp_path / "out" / "manifest.json").is_file()
 

@@ -335,8 +335,23 @@ def sliding_window(model: nn.Module) -> tuple[int | None, str]:
     return None, ""
 
 
+def check_given_dims(specs: tuple[TensorSpec, ...], given: tuple[str, ...]) -> None:
+    """A dim named with ``--dim`` that no input uses is a typo or a misunderstanding: refused before any work."""
+    import difflib  # noqa: PLC0415
+
+    used = sorted({e for s in specs for e in s.shape if isinstance(e, str)})
+    for name in given:
+        if name not in used:
+            close = difflib.get_close_matches(name, used, n=1)
+            hint = f"write --dim {close[0]}=SIZE[:MIN:MAX] (the name the inputs use)" if close else \
+                f"name one of the dims the inputs use ({', '.join(used) or 'none: every size is fixed'})"
+            raise InputsError(f"--dim {name} names no dim of the model's inputs (they use {', '.join(used) or 'none'})",
+                              hint)
+
+
 def plan_inputs(model: nn.Module, section: InputsSection, samples_file: str | Path | None = None) -> InputPlan:
     specs = infer_specs(model, section)
+    check_given_dims(specs, section.given)
     dims, notes = (section.dims, []) if section.tensors else derived_dims(model, specs, section.dims)
     check_dims_declared(specs, dims)
     if not section.tensors:

@@ -141,6 +141,9 @@ class InputsSection:
     samples: int = 2
     dims: tuple[Dim, ...] = (Dim("batch", 2, 1, 16), Dim("sequence", 32, 2, 128))
     tensors: tuple[TensorSpec, ...] = ()
+    # dims named on the command line (--dim): each must be one the model's inputs use (a typo is refused, not run);
+    # not part of the recipe a run records
+    given: tuple[str, ...] = field(default=(), compare=False)
 
     def dim(self, name: str) -> Dim | None:
         return next((d for d in self.dims if d.name == name), None)
@@ -203,7 +206,9 @@ class Recipe:
     source: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        data["inputs"].pop("given", None)
+        return data
 
     def with_factory(self, factory: str | None) -> "Recipe":
         if not factory:
@@ -264,7 +269,8 @@ class Recipe:
         parsed_dims = _parse_dims(data["dims"], problems)
         parsed = _parse_tensors(declared, parsed_dims, problems) if declared else ()
         problems.raise_if_any()
-        return dataclasses.replace(self, inputs=dataclasses.replace(self.inputs, dims=parsed_dims, tensors=parsed))
+        return dataclasses.replace(self, inputs=dataclasses.replace(self.inputs, dims=parsed_dims, tensors=parsed,
+                                                                    given=tuple(given)))
 
 
 # --------------------------------------------------------------------------- parsing

@@ -119,6 +119,22 @@ def test_a_wrong_scale_in_one_layer_fails_question_two_and_is_named(tiny_models,
     assert program["status"] == "ok" and program["numerics"]["passed"]
 
 
+def test_a_quantize_recipe_that_quantizes_nothing_is_refused(tmp_path):
+    """A model none of whose linears fp8 can take (every size off the 16 alignment) is refused in one line, not
+    published as "within the budget" with nothing quantized."""
+    import transformers
+
+    from exporter.errors import RecipeError
+
+    config = transformers.GPT2Config(n_layer=1, n_embd=24, n_head=2, vocab_size=64, n_positions=64, bos_token_id=0,
+                                     eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config)
+    model.save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(RecipeError, match="quantized none of the model's 5 linear layer"):
+        exporter.convert(tmp_path / "gpt2", quick(("exported_program",)), tmp_path / "out", settings=SETTINGS)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
 def test_an_export_only_defect_fails_question_one(tiny_models, tmp_path, monkeypatch):
     """A defect only the exported graph carries (the weight scales of the MLP's gate and up products dropped, as
     a broken lowering would): the artifacts fail and are localised to the MLP; question 2, asked of the eager

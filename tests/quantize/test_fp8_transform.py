@@ -79,6 +79,26 @@ def test_the_head_tied_weights_exclusions_and_odd_sizes_stay_unquantized():
     assert isinstance(model.lm_head, nn.Linear) and type(model.lm_head) is nn.Linear
 
 
+def test_gpt2s_conv1d_linears_are_quantized_with_their_weight_transposed():
+    """transformers' Conv1D (GPT-2's c_attn, c_proj, c_fc) stores its weight [in, out]: taken, quantized as the
+    [out, in] linear it is, each layer's output within fp8's rounding of its float64 product (a weight quantized
+    untransposed would be far off: c_attn is 64 x 192, the projections 64 x 64)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128,
+                                                                 n_positions=64)).eval()
+    audit = quantize_model(model, "fp8-rowwise")
+    by_name = {layer.name: layer for layer in audit.layers}
+    attn = by_name["transformer.h.0.attn.c_attn"]
+    assert attn.status == "fp8" and (attn.in_features, attn.out_features) == (64, 192)
+    assert audit.count("fp8") == 8 and by_name["lm_head"].status == "excluded"  # 2 x (c_attn, c_proj, c_fc, c_proj)
+    assert isinstance(model.transformer.h[1].mlp.c_fc, Fp8Linear)
+    ids = torch.randint(0, 128, (2, 16))
+    layer_sqnr(model, audit, lambda: model(input_ids=ids))
+    assert all(layer.sqnr_db is not None and layer.sqnr_db > 25 for layer in audit.layers if layer.status == "fp8"), \
+        audit.judged()
+
+
 def test_per_layer_sqnr_names_a_layer_with_a_wrong_scale():
     torch.manual_seed(2)
     model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 32))

@@ -24,6 +24,8 @@ of 0, so padding stays 0 where torchao's division would give NaN.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -104,8 +106,10 @@ class Fp8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, scheme: str) -> "Fp8Linear":
-        qweight, scales = quantize_weight(linear.weight)
+    def from_linear(cls, linear: Any, scheme: str) -> "Fp8Linear":
+        """From an ``nn.Linear`` (weight [out, in]) or transformers' ``Conv1D`` (GPT-2's linears: weight [in, out],
+        ``x @ W + b``), the same product either way."""
+        qweight, scales = quantize_weight(linear_weight(linear).contiguous())
         return cls(qweight, scales, linear.bias, scheme)
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
@@ -133,6 +137,22 @@ class Fp8Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"scheme={self.scheme}")
+
+
+def is_conv1d(module: Any) -> bool:
+    """transformers' ``Conv1D`` (GPT-2, GPT-J's ancestors): a linear whose weight is stored transposed."""
+    return type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers.") and \
+        isinstance(getattr(module, "weight", None), torch.Tensor) and module.weight.dim() == 2
+
+
+def is_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear`` itself (a subclass may carry behaviour of its own) or transformers' ``Conv1D``."""
+    return type(module) is nn.Linear or is_conv1d(module)
+
+
+def linear_weight(module: Any) -> torch.Tensor:
+    """The weight as ``F.linear`` takes it, [out, in] (a view of a ``Conv1D``'s, no copy)."""
+    return module.weight.t() if is_conv1d(module) else module.weight
 
 
 def fp8_weights(model: nn.Module) -> int:

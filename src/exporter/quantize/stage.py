@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..dtypes import torch_dtype
+from ..errors import RecipeError
 from ..inputs import cast_sample
 from ..numerics.reference import cast_in_place, full_float32
 from ..recipe import QuantizeSection, Recipe
@@ -24,6 +25,16 @@ from .fp8 import FP8
 from .transform import Quantized, quantize_model
 
 WORST_LAYERS = 5
+
+
+def nothing_quantized(quantized: Quantized) -> str:
+    """Why a quantize recipe quantized no linear of the model."""
+    if not quantized.layers:
+        return f"quantize.scheme {quantized.scheme}: the model has no linear layer to quantize"
+    reasons = sorted({layer.reason for layer in quantized.layers})
+    return (f"quantize.scheme {quantized.scheme} quantized none of the model's {len(quantized.layers)} linear "
+            f"layer(s) ({quantized.count('excluded')} excluded, {quantized.count('fallback')} kept: "
+            f"{reasons[0]})")
 
 
 def budget_of(section: QuantizeSection) -> Budget:
@@ -82,6 +93,10 @@ def _quantize_and_judge(model: torch.nn.Module, section: QuantizeSection, dtype:
     wraps one call with the per-layer check; ``run`` returns every sample's outputs), judge the layers and the
     outputs, and drop the original weights whatever happened."""
     quantized = quantize_model(model, section.scheme, section.exclude, section.include_head)
+    if not quantized.count("fp8"):
+        quantized.release()
+        raise RecipeError(nothing_quantized(quantized), "convert with a recipe without [quantize] (fp8 would change "
+                          "nothing), or narrow quantize.exclude")
     captured: list[Any] = []
 
     def checked(call):

@@ -1,11 +1,11 @@
 """The weight transform: which linears become fp8, and what happened to each.
 
-``quantize_model(model, section)`` swaps every chosen ``nn.Linear`` for an :class:`~.fp8.Fp8Linear` in place,
-as torchao's ``quantize_(model, config, filter_fn)`` does, and returns the per-layer audit. Chosen: every linear
-but the output head (``get_output_embeddings()``, or a linear whose weight is an embedding's: a tied head) and
-those whose qualified name matches one of ``section.exclude`` (``fnmatch`` patterns). A chosen linear that fp8
-cannot take falls back to the model's dtype and says why: fp8 matrix products need both sizes to be multiples
-of 16.
+``quantize_model(model, section)`` swaps every chosen ``nn.Linear`` (or transformers' ``Conv1D``, GPT-2's linear
+with its weight transposed) for an :class:`~.fp8.Fp8Linear` in place, as torchao's ``quantize_(model, config,
+filter_fn)`` does, and returns the per-layer audit. Chosen: every linear but the output head
+(``get_output_embeddings()``, or a linear whose weight is an embedding's: a tied head) and those whose qualified
+name matches one of ``section.exclude`` (``fnmatch`` patterns). A chosen linear that fp8 cannot take falls back to
+the model's dtype and says why: fp8 matrix products need both sizes to be multiples of 16.
 
 The original weights are kept (``Quantized.originals``) until the per-layer check has run, then dropped
 (:meth:`Quantized.release`): the transform never holds more than the model's weights plus their fp8 copies.
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .fp8 import Fp8Linear
+from .fp8 import Fp8Linear, is_linear, linear_weight
 
 ALIGN = 16  # _scaled_mm: both matrix sizes a multiple of 16
 
@@ -74,7 +74,7 @@ def head_names(model: nn.Module) -> set[str]:
             head = None
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and (module is head or id(module.weight) in embedded):
+        if (isinstance(module, nn.Linear) or is_linear(module)) and (module is head or id(module.weight) in embedded):
             names.add(name)
     return names
 
@@ -94,22 +94,23 @@ def quantize_model(model: nn.Module, scheme: str, exclude: tuple[str, ...] = (),
     heads = head_names(model)
     shared: dict[int, int] = {}
     for module in model.modules():
-        if isinstance(module, nn.Linear):
+        if isinstance(module, nn.Linear) or is_linear(module):
             shared[id(module.weight)] = shared.get(id(module.weight), 0) + 1
     result = Quantized(scheme, [])
-    swaps: list[tuple[nn.Module, str, str, nn.Linear]] = []
+    swaps: list[tuple[nn.Module, str, str, Any]] = []
     for name, module in model.named_modules():
         for child_name, child in module.named_children():
-            if type(child) is not nn.Linear:  # a subclass may carry behaviour of its own: left as it is
+            if not is_linear(child):  # a subclass of nn.Linear may carry behaviour of its own: left as it is
                 continue
             full = f"{name}.{child_name}" if name else child_name
-            layer = Layer(full, child.in_features, child.out_features, "fp8")
+            out_features, in_features = linear_weight(child).shape
+            layer = Layer(full, int(in_features), int(out_features), "fp8")
             reason = _exclusion(full, heads, exclude, include_head)
             if reason:
                 layer.status, layer.reason = "excluded", reason
-            elif child.in_features % ALIGN or child.out_features % ALIGN:
+            elif layer.in_features % ALIGN or layer.out_features % ALIGN:
                 layer.status = "fallback"
-                layer.reason = (f"{child.in_features} x {child.out_features}: fp8 products need both sizes a "
+                layer.reason = (f"{layer.in_features} x {layer.out_features}: fp8 products need both sizes a "
                                 f"multiple of {ALIGN}; kept in the model's dtype")
             elif shared.get(id(child.weight), 0) > 1:
                 layer.status, layer.reason = "fallback", "its weight is shared with another linear; kept as it is"
@@ -121,5 +122,5 @@ def quantize_model(model: nn.Module, scheme: str, exclude: tuple[str, ...] = (),
             replacement = Fp8Linear.from_linear(child, scheme).to(child.weight.device)
         setattr(parent, child_name, replacement)
         if keep_originals:
-            result.originals[full] = (child.weight, child.bias)
+            result.originals[full] = (linear_weight(child), child.bias)
     return result

@@ -424,6 +424,13 @@ def _(tmp, a):
                 2, "--dim 'batch=2' and --set inputs.dims.batch=3 both size dim batch")
 
 
+@case("recipe and inputs", "a --dim name no input uses (a typo)")
+def _(tmp, a):
+    return Case("a --dim name no input uses (a typo)", "recipe and inputs",
+                convert(a.gpt2, tmp, "--dim", "sequenze=32:8:64"), 2,
+                "--dim sequenze names no dim of the model's inputs", out=tmp / "out")
+
+
 @case("recipe and inputs", "unknown --target")
 def _(tmp, a):
     return Case("unknown --target", "recipe and inputs",
