@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -151,6 +153,29 @@ def test_sdpa_survives_into_the_artifacts(converted, name):
     assert ops.count("Attention") == 2 and "Softmax" not in ops
     assert [i.name for i in model.graph.input] == result.report["inputs"]["names"]
     assert [o.name for o in model.graph.output] == result.report["outputs"]
+
+
+def test_every_variant_is_timed_under_eager_s_process_conditions(converted, tiny_models, tmp_path):
+    """Eager and rewritten are timed in the convert process, each artifact in a child: the OpenMP wait policy,
+    threads and usable CPUs must be the same for all (a child's passive threads against a parent's spinning ones
+    made eager 3-7x slower on a busy CPU). In process (torch loaded first) and through the command line (exporter
+    sets the policy before torch loads)."""
+    report = converted("gpt2").report
+    eager = report["baseline"]["bench"]["process"]
+    timed = [report["rewritten"]] + [a for a in report["artifacts"] if a.get("bench")]
+    assert len(timed) >= 3 and all(v["bench"]["process"] == eager for v in timed), (eager, timed)
+    assert not any("other process conditions" in w for w in report["warnings"])
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    done = subprocess.run([sys.executable, "-m", "exporter", "convert", str(tiny_models["gpt2"]), "-t",
+                           "exported_program", "-t", "onnx", "--out", str(tmp_path / "out"), "-q", "--set",
+                           "bench.warmup=1", "--set", "bench.rounds=1", "--set", "bench.iterations=2"],
+                          capture_output=True, text=True, env=env, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    cli = json.loads((tmp_path / "out" / "report.json").read_text())
+    processes = [cli["baseline"]["bench"]["process"], cli["rewritten"]["bench"]["process"]] + [
+        a["bench"]["process"] for a in cli["artifacts"] if a.get("bench")]
+    assert len(processes) == 4 and all(p == processes[0] for p in processes), processes
+    assert processes[0]["omp_wait_policy"] == "PASSIVE"
 
 
 def test_manifest_hashes_every_file_and_is_last(converted):

@@ -10,6 +10,9 @@ Library use::
 from __future__ import annotations
 
 from .errors import ExporterError
+from .measure.conditions import settle
+
+settle()  # every variant timed alike: this process's OpenMP threads wait as its children's do
 
 __all__ = ["convert", "inspect", "check_artifact", "run_batch", "verify", "validate_folder", "load_recipe",
            "ExporterError"]

@@ -25,6 +25,7 @@ import torch
 from .dtypes import name_of
 from .errors import describe
 from .measure.bench import time_calls
+from .measure.conditions import conditions
 from .measure.memory import peak_memory
 from .quiet import quiet_libraries
 from .targets import load_runner
@@ -200,7 +201,7 @@ def answer(session: Session, command: str, args: list[Any]) -> Any:
     if command == "bench":
         return session.bench(args[0])
     if command == "memory":
-        return peak_memory(loaded.device)
+        return {**peak_memory(loaded.device), "process": conditions()}
     if command == "info":
         return dict(loaded.info)
     if command == "call":  # a named hook of the loaded variant (e.g. a profiler)

@@ -34,6 +34,7 @@ from . import interrupts
 from .child import WARM_ENV, Channel, Session
 from .dtypes import name_of
 from .errors import shorten
+from .measure.conditions import conditions, inherit
 from .measure.memory import peak_memory
 from .numerics.compare import CHUNK_ELEMENTS, chunks
 from .targets import get as get_target
@@ -71,7 +72,7 @@ class LocalRunner:
         return self.session.bench(count)
 
     def memory(self) -> dict[str, Any]:
-        return peak_memory(self.session.loaded.device)
+        return {**peak_memory(self.session.loaded.device), "process": conditions()}
 
     def refresh_info(self) -> dict[str, Any]:
         self.info.update(self.session.loaded.info)
@@ -132,8 +133,7 @@ def child_env(preload: str | None = None) -> dict[str, str]:
     """The environment of a child: the parent's, its ``sys.path`` less the working folder (then any
     ``PYTHONPATH`` entry set since the parent started), passive OpenMP threads, and ``preload``."""
     env = dict(os.environ)
-    # Idle OpenMP threads in a child must not spin while another variant is being timed.
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    inherit(env)  # OMP_WAIT_POLICY as this process has it (measure/conditions.py): every variant timed alike
     path = import_path()
     here = os.path.realpath(os.getcwd())
     path += [p for p in env.get("PYTHONPATH", "").split(os.pathsep)

@@ -21,6 +21,7 @@ import torch
 from .. import interrupts
 from ..results import FAILED
 from ..targets.spec import RunnerFailed, failure_reason
+from .conditions import differences
 
 
 def synchronize(device: str) -> None:
@@ -293,6 +294,10 @@ def benchmark(live: dict[str, Any], sample, results, settings, device: str, flop
             else:
                 result.bench["speedup_vs_eager"] = None
                 result.notes.append(f"timed on {result.device}; the eager baseline ran on {device}: no speedup")
+            unlike = differences(eager_bench.get("process") or {}, result.bench.get("process") or {})
+            if unlike:
+                warnings.append(f"{result.name}: timed under other process conditions than eager ({', '.join(unlike)}):"
+                                " its speedup compares unlike runs")
         if result.info.get("compile_s") is not None:
             result.build_s = result.info["compile_s"]
     if eager_bench and eager_bench["noise"] > NOISY:
