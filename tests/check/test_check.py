@@ -154,6 +154,26 @@ def test_an_artifact_of_another_model_is_refused_in_one_line(optimum, tiny_model
     assert not (tmp_path / "out").exists()
 
 
+def test_an_artifact_of_another_width_is_refused_naming_both_widths(tiny_models, tmp_path):
+    """Same inputs, same output names, another hidden width (a MiniLM ONNX checked against another BERT): refused
+    in one line naming both widths, not judged as a numerics failure blamed on the runtime."""
+    from transformers import BertConfig, BertModel
+
+    other = BertModel(BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                                 vocab_size=1000)).eval()
+    ids = torch.randint(0, 1000, (2, 16))
+    path = tmp_path / "other.onnx"
+    torch.onnx.export(other, (), str(path), kwargs={"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                      input_names=["input_ids", "attention_mask"], output_names=["last_hidden_state", "pooler_output"],
+                      dynamic_shapes={"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}},
+                      dynamo=True)
+    done = run_check(path, "--against", tiny_models["bert"], "--out", tmp_path / "out")
+    assert done.returncode == 2, done.stderr[-2000:]
+    (line,) = errors(done)
+    assert "is 32 wide on axis 2, the model's is 64" in line and "BertModel" in line, line
+    assert not (tmp_path / "out").exists()
+
+
 # --------------------------------------------------------------------------- torch.export and AOTInductor
 
 
@@ -335,6 +355,25 @@ def test_a_static_artifact_pins_the_dims_and_says_so(tiny_models):
     wrong = Artifact("onnx", "onnx", static.path, "ONNX", [Port("input_ids", "int64", (3, 24, 1))], [])
     with pytest.raises(Exception, match="has 3 axes, the model's has 2"):
         map_inputs(wrong, model, load_recipe("cpu-fp32"))
+
+
+@pytest.mark.parametrize("shape, message", [
+    ((2, 1000), "fixes dim sequence at 1000 (attention_mask), past the model's 512 positions"),
+    ((2**31, 24), "one sample's inputs would take")])
+def test_a_size_the_artifact_fixes_that_the_model_or_machine_cannot_take_is_refused(shape, message, tiny_models):
+    """Refused before any work, in one line: a sequence past the model's positions (it would publish a failed
+    folder) and a batch of 2^31 (it would allocate 512 GiB of inputs and die)."""
+    from exporter.check.artifacts import Artifact, Port
+    from exporter.check.mapping import map_inputs
+    from exporter.checkpoint import load_model
+    from exporter.errors import UsageError
+    from exporter.recipe import load_recipe
+
+    model = load_model(tiny_models["bert"], None, False).model
+    static = Artifact("onnx", "onnx", tiny_models["bert"] / "model.onnx", "ONNX",
+                      [Port("input_ids", "int64", shape), Port("attention_mask", "int64", shape)], [])
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        map_inputs(static, model, load_recipe("cpu-fp32"))
 
 
 def test_a_symlinked_optimum_folder_judges_its_model_onnx_only(optimum, tiny_models, tmp_path):

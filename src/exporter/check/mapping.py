@@ -113,9 +113,62 @@ def map_inputs(artifact: Artifact, model: nn.Module, recipe: Recipe) -> tuple[Re
                          f"{new_min}..{new_max} (the recipe declares {dim.min}..{dim.max})")
         new_dims.append(Dim(dim.name, min(max(dim.size, new_min), new_max), new_min, new_max))
     narrowed, position_notes = within_positions(model, tuple(specs), tuple(new_dims))
+    for dim in narrowed:
+        if dim.name in pinned and dim.size != pinned[dim.name][0]:  # the model cannot take the size it fixes
+            size, port_name = pinned[dim.name]
+            raise _mismatch(f"it fixes dim {dim.name} at {size} ({port_name}), past the model's {dim.max} positions",
+                            artifact, model)
+    _check_sample_size(artifact, model, specs, narrowed, pinned)
     notes += position_notes
     section = dataclasses.replace(recipe.inputs, tensors=tuple(specs), dims=narrowed)
     return dataclasses.replace(recipe, inputs=section), notes
+
+
+def check_output_sizes(artifact: Artifact, names: tuple[str, ...], outputs: list[Any], model: nn.Module) -> None:
+    """Each size an artifact's output fixes (a hidden width, a vocabulary) against the model's output on the same
+    sample: another width is another model, refused in one line before anything is judged."""
+    ports = {p.name: p for p in artifact.outputs}
+    by_order = not set(ports) & set(names)
+    for index, name in enumerate(names):
+        port = artifact.outputs[index] if by_order and index < len(artifact.outputs) else ports.get(name)
+        tensor = outputs[index] if index < len(outputs) else None
+        if port is None or port.axes is None or tensor is None or not hasattr(tensor, "shape"):
+            continue
+        shape = tuple(tensor.shape)
+        if len(port.axes) != len(shape):
+            raise _mismatch(f"its output {name} has {len(port.axes)} axes, the model's has {len(shape)} "
+                            f"({list(shape)})", artifact, model)
+        for axis, (theirs, mine) in enumerate(zip(port.axes, shape)):
+            if isinstance(theirs, int) and theirs != mine:
+                raise _mismatch(f"its output {name} is {theirs} wide on axis {axis}, the model's is {mine} "
+                                f"(shape {list(shape)})", artifact, model)
+
+
+SAMPLE_SHARE = 16  # one sample's inputs may take at most this fraction of the available memory (activations: more)
+
+
+def _check_sample_size(artifact: Artifact, model: nn.Module, specs: list[TensorSpec], dims: tuple[Dim, ...],
+                       pinned: dict[str, tuple[int, str]]) -> None:
+    """A size the artifact fixes must leave one sample within what this machine can hold: a batch fixed at 2^31
+    would otherwise be allocated (hundreds of GiB) before anything is judged."""
+    import math  # noqa: PLC0415
+
+    import psutil  # noqa: PLC0415
+
+    from ..dtypes import torch_dtype  # noqa: PLC0415
+
+    if not pinned:
+        return
+    sizes = {d.name: d.size for d in dims}
+    total = sum(math.prod(sizes.get(e, 1) if isinstance(e, str) else int(e) for e in spec.shape) *
+                torch_dtype(spec.dtype).itemsize for spec in specs)
+    allowed = psutil.virtual_memory().available // SAMPLE_SHARE
+    if total > allowed:
+        fixed = ", ".join(f"{name} at {size} ({port})" for name, (size, port) in pinned.items())
+        raise UsageError(f"{artifact.name} ({artifact.path.name}) fixes {fixed}: one sample's inputs would take "
+                         f"{total / 2**30:.1f} GiB, over the {allowed / 2**30:.1f} GiB this machine can give a sample "
+                         f"(1/{SAMPLE_SHARE} of its available memory)",
+                         "check an artifact exported at sizes this machine can run, or one with dynamic dims")
 
 
 def map_outputs(artifact: Artifact, model_outputs: tuple[str, ...]) -> tuple[tuple[str, ...], list[str]]:

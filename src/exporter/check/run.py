@@ -43,7 +43,7 @@ from ..targets.program_file import PickleRefused, pickled
 from ..targets.spec import RunnerSpec
 from .artifacts import Artifact, find_artifacts
 from .locating import locate_artifact
-from .mapping import map_inputs, map_outputs
+from .mapping import check_output_sizes, map_inputs, map_outputs
 from .past import INPUTS, PastSteps, output_names, past_recipe
 from .proofs import prove_artifact, prove_program
 from .untrusted import Folder, copy_in, refuse_native_code
@@ -255,6 +255,9 @@ class CheckRun:
             loaded.model.to(device)
         with progress.stage("reference", f"the checkpoint's model, float64, {device}"):
             reference = run_reference(original, plan.samples, device=device)
+            if past is None:  # a width the artifact fixes and the model does not have: another model
+                for artifact in self.artifacts:
+                    check_output_sizes(artifact, signature.outputs, reference.outputs[0], loaded.model)
             save_tensors(self.staging / "reference" / "outputs.safetensors", reference.outputs, signature.outputs)
         loaded.model.to(device=device, dtype=torch_dtype(dtype))
         self.validation = validation = Validation(recipe, signature, reference, samples, original, self.log_path)
