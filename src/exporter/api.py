@@ -14,7 +14,7 @@ from . import interrupts
 from . import report as report_mod
 from .checkpoint import load_model
 from .checkpoint.files import Checkpoint
-from .environment import check_machine, folder_of
+from .environment import check_compiler, check_machine, folder_of
 from .errors import CheckpointError, ExporterError
 from .inputs import plan_inputs
 from .measure.memory import TreeMemory, peak_rss_bytes
@@ -72,6 +72,7 @@ def convert(checkpoint: str | Path, recipe: str | Path | Recipe = "cpu-fp32", ou
     progress = progress or Progress(enabled=False)
     recipe_obj = resolve_recipe(recipe, model, dims, tensors, rewrite, targets, settings, task)
     check_machine(recipe_obj)
+    check_compiler(recipe_obj)
     checkpoint = Path(checkpoint)
     if not checkpoint.exists():
         raise CheckpointError(f"checkpoint {checkpoint} does not exist", "check the path")

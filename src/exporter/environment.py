@@ -77,6 +77,28 @@ def device_info(device: str, host: bool = False) -> dict[str, object]:
     return info
 
 
+def check_compiler(recipe: Recipe) -> None:
+    """The C++ compiler Inductor builds with (``CXX``, else ``g++``), where a target needs one: an AOTInductor
+    package, and ``torch.compile`` on the CPU. Without it the build would fail deep inside Inductor."""
+    needs = [t for t in recipe.targets.build if t == "aoti" or (t == "compile" and recipe.runtime.device == "cpu")]
+    if not needs:
+        return
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler  # noqa: PLC0415 - private; some torch versions lack it
+    except ImportError:
+        return
+    try:
+        get_cpp_compiler()
+    except Exception:  # noqa: BLE001 - torch's InvalidCxxCompiler, or whatever its search raises
+        wanted = os.environ.get("CXX") or "g++"
+        others = [t for t in recipe.targets.build if t not in needs]
+        raise EnvironmentProblem(f"target {' and '.join(needs)} compiles C++ with Inductor, but the C++ compiler "
+                                 f"{wanted!r} does not run on this machine",
+                                 "install one (e.g. apt install g++) or set CXX to a C++ compiler; or build without "
+                                 + ("it: " + " ".join(f"-t {t}" for t in others) if others else
+                                    "it (-t exported_program -t onnx)")) from None
+
+
 def check_machine(recipe: Recipe) -> None:
     """Fail before loading anything when the recipe asks for what this machine lacks (a GPU, bfloat16, a usable
     temporary folder)."""

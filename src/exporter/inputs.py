@@ -288,6 +288,17 @@ def _position_limits(model: nn.Module) -> dict[str, tuple[int, str]]:
     return limits
 
 
+def position_limit(model: nn.Module, name: str = "input_ids") -> tuple[int, str] | None:
+    """How many tokens the generated input ``name`` may hold in ``model`` (its positions, less those before the
+    first token's), and which config field says so; None where the config does not say."""
+    found = _position_limits(model).get(name)
+    if found is None:
+        return None
+    limit, source = found
+    offset = position_offset(model, limit)
+    return limit - offset, source
+
+
 def within_positions(model: nn.Module, specs: tuple[TensorSpec, ...], dims: tuple[Dim, ...]) -> tuple[
         tuple[Dim, ...], list[str]]:
     """The dims, with the sequence dim of generated token ids narrowed to the model's position limit.

@@ -135,6 +135,18 @@ def check_window(config: Any, cache_length: int) -> None:
                                 f"convert with --set generation.max_cache_len={window} or less")
 
 
+def check_positions(model: Any, cache_length: int) -> None:
+    """A cache longer than the model has positions: a step past them reads a position embedding out of bounds
+    (generate would die there, at run time): refused before anything is built."""
+    from ..inputs import position_limit  # noqa: PLC0415
+
+    found = position_limit(model, "input_ids")
+    if found is not None and cache_length > found[0]:
+        limit, source = found
+        raise ArchitectureError(f"the model has {limit} positions ({source}) but the cache holds {cache_length}",
+                                f"convert with --set generation.max_cache_len={limit} or less")
+
+
 @dataclass
 class Reference:
     """What every candidate is judged against: the prompts, the float64 reference's tokens and logits, the eager
@@ -289,6 +301,7 @@ def convert_generation(checkpoint: Path, recipe: Recipe, staging: Path, allow_dr
         model = loaded.model.eval()
         transformers = loaded.architecture.is_transformers
         check_window(getattr(model, "config", None), gen.max_cache_len)
+        check_positions(model, gen.max_cache_len)
     if device != "cpu":
         with progress.stage("to device", device):
             model.to(device)

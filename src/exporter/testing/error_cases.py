@@ -525,6 +525,13 @@ def _(tmp, a):
                 "does not exist", env={"TMPDIR": str(tmp / "no-such-folder")})
 
 
+@case("output and faults", "no C++ compiler for the aoti target")
+def _(tmp, a):
+    return Case("no C++ compiler for the aoti target", "output and faults",
+                convert(a.gpt2, tmp, "--target", "aoti"), 5, "compiles C++ with Inductor, but the C++ compiler",
+                env={"CXX": str(tmp / "no-such-compiler")})
+
+
 @case("output and faults", "a second convert into the same folder")
 def _(tmp, a):
     from exporter.outdir import OutputFolder
@@ -591,6 +598,13 @@ def _(tmp, a):
                 convert(a.factory_dir / "linear.safetensors", tmp, "--model", f"{a.factory_module}:good",
                         "--task", "text-generation"), 2,
                 "the model cannot run one step with a KV cache", env=_factory_env(a))
+
+
+@case("text generation", "a cache longer than the model's positions")
+def _(tmp, a):
+    return Case("a cache longer than the model's positions", "text generation",
+                convert(a.gpt2, tmp, "--task", "text-generation", "--set", "generation.max_cache_len=128"), 2,
+                "the model has 64 positions (max_position_embeddings) but the cache holds 128", out=tmp / "out")
 
 
 @case("text generation", "generate from a folder without generation programs")
