@@ -258,6 +258,38 @@ out = "{model}/{dtype}"
     assert not out.exists()
 
 
+def test_a_batch_folder_inside_a_checkpoint_folder_is_refused_before_anything_is_written(tiny_models, tmp_path):
+    plan = write_plan(tmp_path, tiny_models, models=("gpt2",))
+    before = sorted(p.name for p in (tmp_path / "models" / "gpt2").iterdir())
+    out = tmp_path / "models" / "gpt2" / "batch"
+    done = subprocess.run(exporter_cmd("batch", str(plan), "--out", str(out)), capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 5, done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert "lies inside the checkpoint folder" in line and "Fix:" in line, line
+    assert sorted(p.name for p in (tmp_path / "models" / "gpt2").iterdir()) == before
+
+
+def test_a_scheduler_address_nothing_listens_on_fails_at_once(tiny_models, tmp_path):
+    """A refused connection is told in one line within seconds, not after the Dask client's 30 s of retries."""
+    import socket
+    import time
+
+    pytest.importorskip("distributed")
+    plan = write_plan(tmp_path, tiny_models, models=("gpt2",))
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    t0 = time.monotonic()
+    done = subprocess.run(exporter_cmd("batch", str(plan), "--out", str(tmp_path / "out"), "--scheduler",
+                                       f"tcp://127.0.0.1:{port}"), capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 5, done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert "cannot reach the Dask scheduler" in line and "Fix:" in line, line
+    assert time.monotonic() - t0 < 20  # the interpreter and the plan check, no 30 s wait
+
+
 def test_a_plan_on_a_dask_cluster_runs_and_a_killed_worker_is_replaced(tiny_models, tmp_path):
     pytest.importorskip("distributed")
     from distributed import LocalCluster

@@ -216,6 +216,8 @@ class DaskEngine:
             raise UsageError("--workers is for this host or a cluster started here; a cluster at an address "
                              "has the workers it was started with", "leave out --workers, or use --scheduler local")
         try:
+            if self.cluster is None:
+                knock(scheduler)  # a refused address fails now, not after the client's 30 s of retries
             self.client = Client(self.cluster or scheduler, timeout="30s")
         except (OSError, TimeoutError, ValueError) as exc:
             self.close()
@@ -312,6 +314,19 @@ def _takes_n_workers(client) -> bool:
     import inspect  # noqa: PLC0415 - only for this signature check
 
     return "n_workers" in inspect.signature(client.scheduler_info).parameters
+
+
+def knock(address: str, timeout_s: float = 5.0) -> None:
+    """Open (and close) a TCP connection to a ``tcp://host:port`` (or ``host:port``) scheduler address: OSError
+    when nothing listens there (refused, unknown host, unreachable). Other transports are left to the client."""
+    import socket  # noqa: PLC0415
+    from urllib.parse import urlsplit  # noqa: PLC0415
+
+    parts = urlsplit(address if "://" in address else f"tcp://{address}")
+    if parts.scheme != "tcp" or parts.hostname is None or parts.port is None:
+        return
+    with socket.create_connection((parts.hostname, parts.port), timeout=timeout_s):
+        pass
 
 
 def open_engine(scheduler: str | None, workers: int | None) -> Engine:

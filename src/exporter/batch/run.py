@@ -95,6 +95,20 @@ def stop_on_signals(stop: threading.Event, received: list[int]) -> Iterator[None
             signal.signal(signum, handler)
 
 
+def _keep_clear(root: Path, loaded: Plan) -> None:
+    """The batch folder (its state, logs and summaries beside the cells) must not be a checkpoint, nor lie inside a
+    checkpoint's folder: refused before anything is written."""
+    from ..outdir import checkpoint_guard  # noqa: PLC0415
+
+    for cell in loaded.cells:
+        guarded, is_folder = checkpoint_guard(cell.checkpoint)
+        if root == guarded or (is_folder and root.is_relative_to(guarded)):
+            where = "is" if root == guarded else "lies inside"
+            raise OutputError(f"batch folder {root} {where} the checkpoint {'folder ' if is_folder else ''}"
+                              f"{guarded} of cell {cell.name}: its logs and summaries would mix with the "
+                              "checkpoint's files", "choose an --out outside every checkpoint's folder")
+
+
 def batch(plan: str | Path, out: str | Path | None = None, *, workers: int | None = None,
           scheduler: str | None = None, junit: str | Path | None = None, compile_cache: str | Path | None = None,
           tell: Callable[[str], None] | None = None, engine: Engine | None = None) -> BatchResult:
@@ -122,6 +136,7 @@ def batch(plan: str | Path, out: str | Path | None = None, *, workers: int | Non
     if engine is None and scheduler is None:
         engine = LocalEngine(workers)  # refuses more workers than GPUs before anything is written
     root = root.resolve()
+    _keep_clear(root, loaded)
     cache = Path(compile_cache).resolve() if compile_cache else root / ".compile-cache"
     outcomes: dict[str, dict[str, Any]] = {}
     hashes = Hashes()
