@@ -374,3 +374,29 @@ def test_the_worst_code_wins_and_workers_follow_the_gpus():
     assert LocalEngine(2, gpus=[]).slots == [None, None]
     with pytest.raises(UsageError, match="more workers than this host's 2 GPU"):
         LocalEngine(3, gpus=["0", "1"])
+
+
+def test_a_group_left_with_only_zombies_is_not_waited_for():
+    """A killed cell's processes can stay zombies where nothing reaps orphans (a container's first process): they
+    hold no lock, so the retry must not wait its whole grace for them."""
+    from exporter.batch.cell import _end_group, _group_alive
+
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        assert _group_alive(running.pid)
+    finally:
+        running.kill()
+        running.wait()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)  # not reaped: a zombie
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with open(f"/proc/{dead.pid}/stat", encoding="utf-8") as handle:
+            if handle.read().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+        time.sleep(0.05)
+    os.killpg(dead.pid, 0)  # the group still answers a signal: killpg alone takes it for alive
+    t0 = time.monotonic()
+    assert not _group_alive(dead.pid)
+    _end_group(dead.pid, grace_s=30)
+    assert time.monotonic() - t0 < 5
+    dead.wait()

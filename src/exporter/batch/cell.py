@@ -47,13 +47,36 @@ def _die_with_parent() -> None:
 
 
 def _group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs. A zombie (dead, not yet reaped: an orphan in a container
+    whose first process reaps nothing) holds no lock and writes nothing, so it does not count; ``killpg(pgid, 0)``
+    alone would take it for alive."""
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    states = _group_states(pgid)
+    return True if states is None else any(state != "Z" for state in states)
+
+
+def _group_states(pgid: int) -> list[str] | None:
+    """The states (``R``, ``S``, ``Z``...) of the processes in group ``pgid``, from /proc (None: no /proc)."""
+    proc = Path("/proc")
+    if not (proc / "self" / "stat").is_file():
+        return None
+    states = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) ": state ppid pgrp ...
+        if len(fields) > 2 and fields[2] == str(pgid):
+            states.append(fields[0])
+    return states
 
 
 def _end_group(pgid: int, first: int = signal.SIGTERM, grace_s: float = STOP_GRACE_S) -> None:
