@@ -178,6 +178,19 @@ def test_every_variant_is_timed_under_eager_s_process_conditions(converted, tiny
     assert processes[0]["omp_wait_policy"] == "PASSIVE"
 
 
+def test_the_python_api_prints_no_profiler_lines(tiny_models, tmp_path):
+    """The kernel audit runs torch.profiler, whose Kineto backend prints start/stop lines to stderr unless told
+    otherwise: quiet from the Python API too (torch imported first, as a user's script does)."""
+    script = ("import torch, exporter, sys\n"
+              f"r = exporter.convert({str(tiny_models['gpt2'])!r}, 'cpu-fp32', {str(tmp_path / 'out')!r}, "
+              "targets=('exported_program',), settings=('bench.rounds=1', 'bench.iterations=2', 'bench.warmup=1'))\n"
+              "sys.exit(r.exit_code)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("KINETO_LOG_LEVEL", "EXPORTER_DEBUG")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "profiler_st" not in done.stderr, done.stderr[-2000:]
+
+
 def test_manifest_hashes_every_file_and_is_last(converted):
     result = converted("gpt2")
     manifest = json.loads((result.out / "manifest.json").read_text())

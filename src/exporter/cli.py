@@ -593,8 +593,6 @@ def main(argv: list[str] | None = None) -> None:
 
 def _run(argv: list[str] | None) -> None:
     debug = os.environ.get("EXPORTER_DEBUG") == "1"
-    if not debug:
-        os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's start/stop lines (read when torch loads)
     try:
         cli.main(args=argv, prog_name="exporter", standalone_mode=False)
     except click.exceptions.Exit as exc:

@@ -140,8 +140,16 @@ def classify(events: Iterable[tuple[str, bool]], device: str = "cpu") -> dict[st
     return result
 
 
+def quiet_profiler() -> None:
+    """The profiler's own ``profiler_start``/``profiler_stop`` lines on stderr: off (Kineto reads its log level when
+    first used), for the command line and the Python API alike; ``EXPORTER_DEBUG=1`` keeps them."""
+    if os.environ.get("EXPORTER_DEBUG") != "1":
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+
 def profile(call: Callable[[], Any], device: str = "cpu", warmup: int = 1) -> dict[str, Any]:
     """Run ``call`` ``warmup`` times, then once under ``torch.profiler``, and classify what ran."""
+    quiet_profiler()
     cuda = device.startswith("cuda") and torch.cuda.is_available()
     with torch.inference_mode():
         for _ in range(warmup):
