@@ -117,20 +117,23 @@ class Timing:
 
 
 NOISY = 0.10  # a variant whose interquartile range exceeds 10% of its median is noisy
-SPEEDUP_SPREAD = 1.25  # a speedup whose plausible range spans more than 25% is not supported by the timings
+SPEEDUP_SPREAD = 1.25  # a speedup whose plausible range spans more than 25% is not precise
 
 
 def speedup(baseline: dict[str, Any], candidate: dict[str, Any]) -> dict[str, Any]:
     """The speedup of ``candidate`` over ``baseline`` (median over median) and what the timings support.
 
     Its range pairs the quartiles the other way round (baseline p25 / candidate p75 to baseline p75 /
-    candidate p25): where that range spans more than ``SPEEDUP_SPREAD``, or straddles 1 (no telling which
-    is faster), the figure is not supported and the report marks it."""
+    candidate p25). Where that range straddles 1 there is no telling which is faster: the figure is not supported
+    and the report marks it. Where it lies on one side of 1, which is faster is supported; its size is precise
+    only where the range spans at most ``SPEEDUP_SPREAD`` (else the notes give the range)."""
     value = baseline["median_ms"] / candidate["median_ms"]
     low = baseline["p25_ms"] / candidate["p75_ms"] if candidate["p75_ms"] > 0 else value
     high = baseline["p75_ms"] / candidate["p25_ms"] if candidate["p25_ms"] > 0 else value
-    supported = high / low <= SPEEDUP_SPREAD and not low < 1.0 < high if low > 0 else False
-    return {"speedup_vs_eager": value, "speedup_range": [low, high], "speedup_supported": supported}
+    supported = low > 0 and not low < 1.0 < high
+    precise = supported and high / low <= SPEEDUP_SPREAD
+    return {"speedup_vs_eager": value, "speedup_range": [low, high], "speedup_supported": supported,
+            "speedup_precise": precise}
 
 
 class Timed(Protocol):
@@ -285,12 +288,16 @@ def benchmark(live: dict[str, Any], sample, results, settings, device: str, flop
         if result.bench and eager_bench:
             if result.device == device:
                 result.bench.update(speedup(eager_bench, result.bench))
+                low, high = result.bench["speedup_range"]
+                noise = f"(noise: eager {eager_bench['noise']:.0%}, this {result.bench['noise']:.0%} of the median)"
                 if not result.bench["speedup_supported"]:
-                    low, high = result.bench["speedup_range"]
                     result.notes.append(f"speedup {result.bench['speedup_vs_eager']:.2f}× not supported by the "
                                         f"timings: between {low:.2f}× and {high:.2f}× from the interquartile "
-                                        f"ranges (noise: eager {eager_bench['noise']:.0%}, this "
-                                        f"{result.bench['noise']:.0%} of the median)")
+                                        f"ranges {noise}")
+                elif not result.bench["speedup_precise"]:
+                    result.notes.append(f"speedup {result.bench['speedup_vs_eager']:.2f}×: "
+                                        f"{'faster' if low > 1 else 'slower'} than eager in every pairing of the "
+                                        f"quartiles, by {low:.2f}× to {high:.2f}× {noise}")
             else:
                 result.bench["speedup_vs_eager"] = None
                 result.notes.append(f"timed on {result.device}; the eager baseline ran on {device}: no speedup")
