@@ -226,9 +226,11 @@ def show_markdown(text: str, console=None) -> None:
     from rich.console import Console
     from rich.markdown import Markdown
 
+    from .report.terminal import fit
+
     console = console or Console(highlight=False)
     if console.is_terminal:
-        console.print(Markdown(text))
+        console.print(Markdown(fit(text, console.width)))
     else:
         click.echo(text)
 

@@ -95,3 +95,30 @@ def test_the_headline_gives_both_verdicts():
         "numerics: passed · speed: not faster than eager (best: aoti 0.80×)"
     failed = {**_timed(aoti=(1.2, True)), "passed": False, "exit_code": 3}
     assert headline(failed).startswith("numerics: FAILED · speed: faster")
+
+
+TABLE = """| variant | status | worst rel. L2 | median ms | p90 ms | p99 ms | noise | speedup | TFLOP/s | build s \
+| size | attention kernels |
+| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
+| eager (baseline) | — | — | 18.6 | 33.2 | 83.9 | 30% | 1.00× | 0.07 | — | — | softmax ×6 |
+| exported_program | ✅ ok | 1.01e-06 | 18.9 | 24.3 | 27.4 | 33% | 0.99× ⚠ | 0.07 | 8.7 | 87.6 MiB | flash ×6 |
+| onnx | ✅ ok | 9.40e-07 | 11.6 | 19.7 | 29.2 | 48% | 1.61× | 0.12 | 5.5 | 87.1 MiB | onnxruntime Attention ×6 |
+"""
+
+
+@pytest.mark.parametrize("width", [80, 100, 119])
+def test_a_narrow_terminal_leaves_columns_out_whole_and_never_cuts_the_main_figures(width):
+    from rich.console import Console
+
+    from exporter.cli import show_markdown
+
+    console = Console(width=width, force_terminal=True, record=True, highlight=False, color_system=None)
+    show_markdown(TABLE, console=console)
+    shown = console.export_text()
+    for figure in ("exported_program", "18.6", "11.6", "9.40e-07", "1.61×", "0.99× ⚠", "1.00×"):
+        assert figure in shown, (figure, shown)
+    assert "…" not in shown and "left out for this" in shown, shown
+    wide = Console(width=200, force_terminal=True, record=True, highlight=False, color_system=None)
+    show_markdown(TABLE, console=wide)
+    everything = wide.export_text()
+    assert "left out" not in everything and "onnxruntime Attention ×6" in everything
