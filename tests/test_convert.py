@@ -99,6 +99,9 @@ def test_every_target_builds_and_passes(converted, name, outputs, causal, gqa, m
             assert any("not supported by the timings" in n for n in artifact["notes"])
         assert (result.out / artifact["path"]).is_file()
         assert artifact["sha256"] == sha256(result.out / artifact["path"])
+        # every artifact's weights and program proven (the ONNX twin too, its pooling's GatherElements included)
+        assert artifact["proofs"]["weights"]["passed"] is True, artifact["proofs"]["weights"]
+        assert artifact["proofs"]["program"]["passed"] is True, artifact["proofs"]["program"]
     assert report["rewritten"]["numerics"]["passed"] is True
     attention = report["attention"]
     layers = 6 if name == "minilm" else 2

@@ -181,7 +181,7 @@ class _Session:
                     from None
             from onnx.reference import ReferenceEvaluator  # noqa: PLC0415
 
-            self.evaluator = ReferenceEvaluator(onnx.load(str(self.path)), new_ops=[_erf64()])
+            self.evaluator = ReferenceEvaluator(onnx.load(str(self.path)), new_ops=[_erf64(), _gather_elements()])
             self.inputs = list(self.evaluator.input_names)
             self.outputs = list(self.evaluator.output_names)
 
@@ -228,6 +228,24 @@ def _erf64():
 
     Erf64.__name__ = "Erf"
     return Erf64
+
+
+def _gather_elements():
+    """The reference evaluator's ``GatherElements`` as ``np.take_along_axis`` (its own falls back, past 32 values
+    along the axis, to a path that fails on e.g. a ``[1, 512]`` position table gathered at ``[1, 32]``)."""
+    from onnx.reference.ops.op_gather_elements import GatherElements  # noqa: PLC0415
+
+    class GatherElementsAlongAxis(GatherElements):
+        op_domain = ""
+
+        def _run(self, data, indices, axis=None):
+            axis = int(axis or 0)
+            indices = np.asarray(indices).astype(np.int64)
+            indices = np.where(indices < 0, indices + data.shape[axis], indices)  # ONNX allows negative indices
+            return (np.take_along_axis(data, indices, axis=axis),)
+
+    GatherElementsAlongAxis.__name__ = "GatherElements"
+    return GatherElementsAlongAxis
 
 
 def _feed(session: _Session, sample: list[torch.Tensor], inputs: tuple[str, ...]) -> dict[str, np.ndarray]:
