@@ -101,6 +101,7 @@ def _named(constant: str, names: dict[str, str]) -> str | None:
 
 
 def _difference(constant: torch.Tensor, weight: torch.Tensor) -> tuple[float, float]:
+    weight = weight.to(constant.device)  # a checkpoint tensor on the recipe's GPU, a constant read to the CPU
     diff = constant.double() - weight.double()
     norm = float(weight.double().norm())
     return float(diff.abs().max()) if diff.numel() else 0.0, float(diff.norm()) / norm if norm else float(diff.norm())
@@ -108,7 +109,7 @@ def _difference(constant: torch.Tensor, weight: torch.Tensor) -> tuple[float, fl
 
 def _same(constant: torch.Tensor, weight: torch.Tensor) -> bool:
     """Equal after the declared cast: the checkpoint tensor in the constant's dtype, bit for bit."""
-    cast = weight.to(constant.dtype)
+    cast = weight.to(device=constant.device, dtype=constant.dtype)
     return bool(torch.equal(cast, constant)) or (cast.is_floating_point() and bool(
         torch.equal(torch.nan_to_num(cast, nan=0.0), torch.nan_to_num(constant, nan=0.0))
         and torch.equal(cast.isnan(), constant.isnan())))
