@@ -2,6 +2,7 @@
 # The planted-defect matrix on the GPU machine (bf16, h100-bf16), the trained model built there.
 #   COLUMNS="pt2" bash benchmarks/gpu_planted_matrix.sh        (a user's programs, exporter check; ~6 min)
 #   COLUMNS="convert" SEEDS=0 bash benchmarks/gpu_planted_matrix.sh   (exporter convert's own artifacts)
+#   DEFECTS="scale" ...                                                (only those defects, beside the clean row)
 # writes under $OUT (default /tmp/out); one call of the device tool each
 set -u
 OUT=${OUT:-/tmp/out}
@@ -9,6 +10,7 @@ mkdir -p "$OUT"
 rm -rf /tmp/aotinductor_* /tmp/matrix-bf16
 COLUMN_ARGS=""
 for c in ${COLUMNS:-pt2}; do COLUMN_ARGS="$COLUMN_ARGS --column $c"; done
+for d in ${DEFECTS:-}; do COLUMN_ARGS="$COLUMN_ARGS --defect $d"; done
 export PYTHONPATH=src EXPORTER_CACHE=/tmp/exporter-cache
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" >> "$OUT/gpu.txt"
