@@ -17,20 +17,26 @@ import sys
 from typing import Any
 
 POLICY = "OMP_WAIT_POLICY"
+INHERITED = "EXPORTER_INHERITED_POLICY"  # set in a child: the policy (or its absence) is its parent's, kept as is
 
 
 def settle() -> None:
     """Before torch loads: idle OpenMP threads wait passively in this process, as in every child (unless the
     environment already chose a policy). Once torch has loaded, its OpenMP runtime has read the policy: nothing
     is changed, and the children inherit the same environment, so the policy stays alike."""
-    if "torch" not in sys.modules:
+    if "torch" not in sys.modules and os.environ.get(INHERITED) != "1":
         os.environ.setdefault(POLICY, "PASSIVE")
 
 
 def inherit(env: dict[str, str]) -> None:
-    """A child's environment: this process's wait policy, stated (an empty value where this process has none,
-    so a child's :func:`settle` does not give it one this process lacks; OpenMP reads empty as its default)."""
-    env[POLICY] = os.environ.get(POLICY, "")
+    """A child's environment: this process's wait policy, or none where this process has none (OpenMP warns of an
+    empty value); the child's :func:`settle` then leaves it as it is."""
+    policy = os.environ.get(POLICY)
+    if policy:
+        env[POLICY] = policy
+    else:
+        env.pop(POLICY, None)
+    env[INHERITED] = "1"
 
 
 def conditions() -> dict[str, Any]:
