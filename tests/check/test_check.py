@@ -154,6 +154,16 @@ def test_an_artifact_of_another_model_is_refused_in_one_line(optimum, tiny_model
     assert not (tmp_path / "out").exists()
 
 
+def export_bert_onnx(model, path: Path) -> Path:
+    """A BERT exported by the dynamo ONNX exporter by keyword, batch and sequence dynamic, outputs named."""
+    ids = torch.randint(0, 1000, (2, 16))
+    torch.onnx.export(model, (), str(path), kwargs={"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                      input_names=["input_ids", "attention_mask"], output_names=["last_hidden_state", "pooler_output"],
+                      dynamic_shapes={"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}},
+                      dynamo=True)
+    return path
+
+
 def test_an_artifact_of_another_width_is_refused_naming_both_widths(tiny_models, tmp_path):
     """Same inputs, same output names, another hidden width (a MiniLM ONNX checked against another BERT): refused
     in one line naming both widths, not judged as a numerics failure blamed on the runtime."""
@@ -161,12 +171,7 @@ def test_an_artifact_of_another_width_is_refused_naming_both_widths(tiny_models,
 
     other = BertModel(BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64,
                                  vocab_size=1000)).eval()
-    ids = torch.randint(0, 1000, (2, 16))
-    path = tmp_path / "other.onnx"
-    torch.onnx.export(other, (), str(path), kwargs={"input_ids": ids, "attention_mask": torch.ones_like(ids)},
-                      input_names=["input_ids", "attention_mask"], output_names=["last_hidden_state", "pooler_output"],
-                      dynamic_shapes={"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}},
-                      dynamo=True)
+    path = export_bert_onnx(other, tmp_path / "other.onnx")
     done = run_check(path, "--against", tiny_models["bert"], "--out", tmp_path / "out")
     assert done.returncode == 2, done.stderr[-2000:]
     (line,) = errors(done)
@@ -482,12 +487,7 @@ def test_a_bare_transformer_export_of_a_sentence_transformers_folder_is_judged_a
 
     folder = sentence_transformers_folder(tiny_models["bert"], tmp_path / "st")
     model = BertModel.from_pretrained(folder, attn_implementation="sdpa").eval()
-    ids = torch.randint(0, 1000, (2, 16))
-    path = tmp_path / "bare.onnx"
-    torch.onnx.export(model, (), str(path), kwargs={"input_ids": ids, "attention_mask": torch.ones_like(ids)},
-                      input_names=["input_ids", "attention_mask"], output_names=["last_hidden_state", "pooler_output"],
-                      dynamic_shapes={"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}},
-                      dynamo=True)
+    path = export_bert_onnx(model, tmp_path / "bare.onnx")
     done = run_check(path, "--against", folder, "--out", tmp_path / "out")
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "report.json").read_text())
