@@ -172,7 +172,8 @@ def measure(name: str, work: Path, recipe: str, targets: list[str], timeout_s: i
                                | {"median_ms": (a.get("bench") or {}).get("median_ms"),
                                   "speedup": (a.get("bench") or {}).get("speedup_vs_eager"),
                                   "utilisation": (a.get("bench") or {}).get("utilisation"),
-                                  "grid_points": len(((a.get("numerics") or {}).get("grid") or {}).get("points") or [])}
+                                  "grid_points": len(((a.get("numerics") or {}).get("grid") or {}).get("points") or []),
+                                  "proofs": {n: (p or {}).get("passed") for n, p in (a.get("proofs") or {}).items()}}
                                for a in report.get("artifacts", [])]
         package = out / "model.aoti.pt2"
         if package.is_file() and torch.cuda.is_available():
