@@ -52,6 +52,7 @@ class Outcome:
     targets: dict[str, str] = field(default_factory=dict)
     attention: str = ""
     left: list[str] = field(default_factory=list)
+    proofs: dict[str, dict[str, str]] = field(default_factory=dict)  # artifact -> proof -> passed | failed | why not
 
 
 def one_line(text: str, limit: int = 220) -> str:
@@ -83,6 +84,9 @@ def exporter_run(model: Path, out: Path, extra: list[str]) -> Outcome:
     outcome = Outcome("passed" if report.get("passed") else "failed", "", seconds)
     for artifact in report.get("artifacts", []):
         outcome.targets[artifact["name"]] = artifact["status"]
+        outcome.proofs[artifact["name"]] = {
+            name: {True: "passed", False: "failed"}.get(proof.get("passed"), str(proof.get("summary", "not run")))
+            for name, proof in (artifact.get("proofs") or {}).items()}
     attention = report.get("attention") or {}
     if attention:
         outcome.attention = f"{attention.get('found', 0)} / {attention.get('rewritten', 0)}"
@@ -132,6 +136,21 @@ def row(arch: Arch, work: Path, args) -> dict:
         print(f"[{arch.name}] optimum-cli", file=sys.stderr, flush=True)
         entry["optimum"] = optimum_run(model, work / "optimum" / arch.name, arch.optimum_task)
     return entry
+
+
+def proof_counts(rows: list[dict]) -> str:
+    """How many artifacts got each proof, and its verdicts (a reason a proof was not run, counted as given)."""
+    counts: dict[str, dict[str, int]] = {}
+    for r in rows:
+        for column in ("forward", "generation"):
+            outcome = r.get(column)
+            for proofs in (outcome.proofs.values() if isinstance(outcome, Outcome) else ()):
+                for name, verdict in proofs.items():
+                    key = verdict if verdict in ("passed", "failed") else "not run: " + verdict.split(": ", 1)[-1][:90]
+                    counts.setdefault(name, {})[key] = counts.setdefault(name, {}).get(key, 0) + 1
+    return "proofs over every artifact: " + "; ".join(
+        f"{name}: " + ", ".join(f"{n} {verdict}" for verdict, n in sorted(found.items(), key=lambda kv: -kv[1]))
+        for name, found in counts.items())
 
 
 # What a failing row's numbers mean, where a look at them says more than the one-line reason (shown for failing rows)
@@ -233,6 +252,7 @@ def main() -> int:
         rows = [{**{k: (Outcome(**v) if isinstance(v, dict) else v) for k, v in r.items()}, **fresh.get(r["name"], {})}
                 for r in earlier] + [r for r in rows if r["name"] not in {e["name"] for e in earlier}]
     seconds = sum(v.seconds for r in rows for v in r.values() if isinstance(v, Outcome))
+    print(proof_counts(rows), file=sys.stderr)
     text = render(rows, seconds, versions(), any("generation" in r for r in rows), any("optimum" in r for r in rows))
     if args.json:
         args.json.write_text(json.dumps([{k: (v.__dict__ if isinstance(v, Outcome) else v) for k, v in r.items()}

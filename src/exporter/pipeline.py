@@ -187,7 +187,8 @@ class ConvertRun:
             progress.info(f"attention sites: {audit.found} found, {audit.count('rewritten')} rewritten, "
                           f"{audit.count('skipped')} skipped")
 
-        tensors = checkpoint_tensors(loaded.model)  # before the cast: what the weights and program proofs compare with
+        # before the cast (and after a quantization: each fp8 linear's qweight and scales): what the proofs compare with
+        tensors = checkpoint_tensors(loaded.model)
         loaded.model.to(device=device, dtype=torch_dtype(dtype))
         rewritten.to(device=device, dtype=torch_dtype(dtype))  # a rewritten graph may hold its own buffers
         example = [(t.to(torch_dtype(dtype)) if t.is_floating_point() else t).to(device) for t in samples[0]]

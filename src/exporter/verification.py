@@ -477,13 +477,22 @@ def _verify(out: Path, result: VerifyResult, timeout_s: float, allow: dict[str, 
         _reask(checkpoint, out, report, manifest, rerun, result, allow["artifact_pickle"])
 
 
+def _requantize(model: Any, section: dict[str, Any]) -> None:
+    """A quantized run's fp8 linears made again from the checkpoint's weights, as the recipe declared them
+    (``section``: the manifest's recipe's ``[quantize]``)."""
+    from .quantize.transform import quantize_model  # noqa: PLC0415
+
+    quantize_model(model, str(section.get("scheme")), tuple(section.get("exclude") or ()),
+                   bool(section.get("include_head")), keep_originals=False)
+
+
 def _reask(checkpoint: Path, out: Path, report: dict[str, Any], manifest: dict[str, Any], entries: list[dict],
            result: VerifyResult, allow_pickle: bool) -> None:
     from .numerics.reproof import reask  # noqa: PLC0415
 
     t0 = time.perf_counter()
     samples, reference = load_reference(out, report)
-    for asked in reask(checkpoint, out, report, manifest, entries, samples, reference, allow_pickle):
+    for asked in reask(checkpoint, out, report, manifest, entries, samples, reference, allow_pickle, _requantize):
         code = EXIT_INTEGRITY if asked.name == "checkpoint" else EXIT_NUMERICS
         fix = "pass the checkpoint the folder was made from (manifest.json lists its files' hashes)" \
             if asked.name == "checkpoint" else ""

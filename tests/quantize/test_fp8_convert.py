@@ -49,6 +49,11 @@ def test_both_questions_pass_and_are_reported_apart(fp8_run):
     for variant in [report["rewritten"], *report["artifacts"]]:
         assert variant["status"] == "ok", (variant["name"], variant["error"])
         assert variant["numerics"]["passed"]
+    for variant in report["artifacts"]:  # every constant equals the checkpoint's, quantized as declared
+        weights = variant["proofs"]["weights"]
+        assert weights["passed"] and not weights["changed"], weights
+        assert weights["by_name"] >= 2 * LINEARS  # each fp8 linear's qweight and scales, traced by name
+        assert variant["proofs"]["program"]["passed"] is None  # its twin would promote the fp8 roundings away
     text = (fp8_run.out / "report.md").read_text()
     assert "## Quantization" in text and "fp8 error = N × bfloat16" in text
     manifest = json.loads((fp8_run.out / "manifest.json").read_text())
@@ -68,11 +73,16 @@ def test_the_exported_program_stores_the_linears_in_fp8(fp8_run):
     assert len(scaled) == LINEARS
 
 
-def test_verify_asks_both_questions_again(fp8_run):
-    result = verify(fp8_run.out)
+def test_verify_asks_both_questions_again(fp8_run, tiny_models):
+    """With the checkpoint, verify also quantizes its weights again as the recipe declared and proves every
+    artifact's constants equal them."""
+    result = verify(fp8_run.out, checkpoint=tiny_models["llama"])
     assert result.exit_code == 0, result.problems
     numerics = [c for c in result.checks if c.name == "numerics"]
     assert {c.subject for c in numerics} == {"exported_program", "aoti"} and all(c.passed for c in numerics)
+    weights = [c for c in result.checks if c.name == "weights"]
+    assert {c.subject for c in weights} == {"exported_program", "aoti"} and all(c.passed for c in weights), weights
+    assert all(c.passed is None for c in result.checks if c.name == "program")
 
 
 def test_verify_fails_an_artifact_the_original_reference_no_longer_supports(fp8_run, tmp_path):
@@ -158,6 +168,27 @@ def test_an_export_only_defect_fails_question_one(tiny_models, tmp_path, monkeyp
     assert program["status"] == "numerics_failed"
     located = program["numerics"]["locate"]["module"]
     assert located.startswith("model.layers.0.mlp"), located
+
+
+def test_an_fp8_scale_entering_the_export_fails_the_weights_proof_by_name(tmp_path):
+    """One fp8 linear's scales x1.05 in convert's trace of the trained model (its reference and eager model
+    clean): the artifact's constants differ from the checkpoint's weights quantized as declared, and the weights
+    proof fails it by the scales' name, whatever its outputs showed."""
+    from exporter.testing.defects import EXPECT, planted_in_convert
+    from exporter.testing.trained import trained_lm
+
+    checkpoint = trained_lm()
+    with planted_in_convert(checkpoint, "fp8-scale"):
+        result = exporter.convert(checkpoint, quick(("exported_program",)), tmp_path / "out", settings=SETTINGS,
+                                  dims=("sequence=64",))
+    assert result.exit_code == 3
+    assert result.report["quantization"]["passed"]  # question 2, asked of the eager quantized model
+    entry = next(a for a in result.report["artifacts"] if a["name"] == "exported_program")
+    assert entry["status"] == "numerics_failed"
+    changed = entry["proofs"]["weights"]["changed"]
+    assert [c["weight"] for c in changed] == [f"gpt_neox.{EXPECT['fp8-scale']}"], changed
+    assert abs(changed[0]["rel_l2"] - 0.05) < 1e-3
+    assert EXPECT["fp8-scale"] in entry["error"] and "quantized as the recipe declares" in entry["error"]
 
 
 def test_the_absolute_budget_holds_on_a_real_checkpoint(minilm_path, tmp_path):

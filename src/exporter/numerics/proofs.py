@@ -34,6 +34,8 @@ def _fail(result: VariantResult, why: str) -> None:
 
 
 QUANTIZED = "fp8 weights and scaled matrix products: judged against the quantized model's float64 arithmetic"
+# a quantized run's weights proof compares with the checkpoint's tensors after the declared quantization
+AFTER_QUANTIZATION = "the checkpoint's, quantized as the recipe declares"
 
 
 def record(result: VariantResult, name: str, proof: WeightProof | ProgramProof | str) -> None:
@@ -88,15 +90,15 @@ def prove_converted(results: list[VariantResult], program: Any, tensors: dict[st
     sizes = {name: int(t.numel()) for name, t in zip(names, reference[0]) if t.is_floating_point()}
     built = [r for r in results if r.target in FROM_PROGRAM and r.status in (OK, NUMERICS_FAILED)]
     if built and program is not None:
-        if quantized:
-            weights: WeightProof | str = QUANTIZED
-            proof: ProgramProof | str = QUANTIZED
-        else:
-            constants = {k: v for k, v in {**program.state_dict, **program.constants}.items()
-                         if isinstance(v, torch.Tensor)}
-            weights = prove_weights({k: v.detach().cpu() for k, v in constants.items()}, tensors)
-            proof = prove_twin(detached(program), tensors, device, lambda module, args: list(module(*args)),
-                               samples, reference, names, original, prefix="model.")
+        constants = {k: v for k, v in {**program.state_dict, **program.constants}.items()
+                     if isinstance(v, torch.Tensor)}
+        # quantized: ``tensors`` are the model's after quantization (each fp8 linear's qweight and scales made from
+        # the checkpoint's weight), and the program's float64 twin would promote the fp8 roundings away
+        weights: WeightProof | str = prove_weights({k: v.detach().cpu() for k, v in constants.items()}, tensors,
+                                                   against=AFTER_QUANTIZATION if quantized else "the checkpoint's")
+        proof: ProgramProof | str = QUANTIZED if quantized else prove_twin(
+            detached(program), tensors, device, lambda module, args: list(module(*args)), samples, reference, names,
+            original, prefix="model.")
         for result in built:
             record(result, "weights", weights)
             record(result, "program", proof)
@@ -112,18 +114,18 @@ def prove_converted(results: list[VariantResult], program: Any, tensors: dict[st
 def prove_onnx_built(result: VariantResult, path: Path, tensors: dict[str, torch.Tensor], samples, reference,
                      names: tuple[str, ...], inputs: tuple[str, ...], original: Any, quantized: bool) -> None:
     """The weights and program proofs of convert's ONNX model, from its file."""
-    record(result, "weights", QUANTIZED if quantized else onnx_weights(path, tensors))
+    record(result, "weights", onnx_weights(path, tensors, AFTER_QUANTIZATION if quantized else "the checkpoint's"))
     record(result, "program", QUANTIZED if quantized else onnx_program(path, tensors, samples, reference, names,
                                                                         inputs, original))
 
 
-def onnx_weights(path: Path, tensors: dict[str, torch.Tensor]) -> WeightProof | str:
+def onnx_weights(path: Path, tensors: dict[str, torch.Tensor], against: str = "the checkpoint's") -> WeightProof | str:
     """The weights proof of an ONNX model: its initializers (external data included) against the checkpoint's
     tensors, or why it is not run."""
     from .onnx64 import onnx_constants  # noqa: PLC0415
 
     try:
-        return prove_weights(onnx_constants(path), tensors)
+        return prove_weights(onnx_constants(path), tensors, against=against)
     except Exception as exc:  # noqa: BLE001 - the proof is not run; the outputs are still judged
         return f"its initializers could not be read ({describe(exc, 160)})"
 
@@ -152,5 +154,5 @@ def onnx_program(path: Path, tensors: dict[str, torch.Tensor], samples, referenc
     return proof
 
 
-__all__ = ["QUANTIZED", "checkpoint_tensors", "onnx_program", "onnx_weights", "prove_converted", "record",
-           "rounding_proof"]
+__all__ = ["AFTER_QUANTIZATION", "QUANTIZED", "checkpoint_tensors", "onnx_program", "onnx_weights", "prove_converted",
+           "record", "rounding_proof"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -52,13 +52,15 @@ def _asked(subject: str, name: str, proof: WeightProof | ProgramProof | str) -> 
 
 def reask(checkpoint: Path, out: Path, report: dict[str, Any], manifest: dict[str, Any], entries: list[dict],
           samples: list[list[torch.Tensor]], reference: list[list[torch.Tensor]],
-          allow_pickle: bool = False) -> list[Asked]:
+          allow_pickle: bool = False, requantize: Callable[[torch.nn.Module, dict[str, Any]], Any] | None = None
+          ) -> list[Asked]:
     """The proofs of each of ``entries`` (artifacts verify re-ran) asked again with ``checkpoint``'s tensors, against
-    the folder's stored ``samples`` and float64 ``reference`` outputs."""
+    the folder's stored ``samples`` and float64 ``reference`` outputs. A quantized run's weights are compared with
+    the checkpoint's after ``requantize(model, the recipe's [quantize] section)`` made its fp8 linears again."""
     from ..checkpoint import load_model  # noqa: PLC0415
     from ..modelio import import_spec_types  # noqa: PLC0415
     from ..targets.program_file import load_program, read_constants  # noqa: PLC0415
-    from .proofs import QUANTIZED, checkpoint_tensors, onnx_program, onnx_weights  # noqa: PLC0415
+    from .proofs import AFTER_QUANTIZATION, QUANTIZED, checkpoint_tensors, onnx_program, onnx_weights  # noqa: PLC0415
 
     recipe = report.get("recipe") or {}
     if (recipe.get("model") or {}).get("factory"):
@@ -71,21 +73,25 @@ def reask(checkpoint: Path, out: Path, report: dict[str, Any], manifest: dict[st
     problem = _checkpoint_problem([Path(f) for f in loaded.checkpoint.files], manifest)
     if problem:
         return [Asked("folder", "checkpoint", False, problem)]
-    tensors = checkpoint_tensors(loaded.model)
     asked = [Asked("folder", "checkpoint", True, f"{checkpoint} is the checkpoint the folder was made from")]
+    quantized = bool(report.get("quantization"))
+    if quantized and requantize is None:
+        return asked + [a for e in entries for a in (Asked(e["name"], "weights", None, f"not asked: {QUANTIZED}"),
+                                                      Asked(e["name"], "program", None, f"not asked: {QUANTIZED}"))]
+    if quantized and requantize is not None:  # the declared transform again, from the checkpoint's weights
+        requantize(loaded.model, (manifest.get("recipe") or {}).get("quantize") or {})  # the whole recipe
+    tensors = checkpoint_tensors(loaded.model)
+    against = AFTER_QUANTIZATION if quantized else "the checkpoint's"
     inputs, outputs = tuple(report["inputs"]["names"]), tuple(report["outputs"])
     program_file = next((out / a["path"] for a in report["artifacts"] if a.get("target") == "exported_program"
                          and a.get("path") and a.get("status") == "ok"), None)
     for entry in entries:
         name, target, path = entry["name"], entry["target"], out / entry["path"]
-        if (report.get("quantization") or {}):
-            asked += [Asked(name, "weights", None, f"not asked: {QUANTIZED}"),
-                      Asked(name, "program", None, f"not asked: {QUANTIZED}")]
-            continue
         device = "cpu" if target == "onnx" else entry["device"]
         if target == "onnx":
-            weights: WeightProof | str = onnx_weights(path, tensors)
-            program: ProgramProof | str = onnx_program(path, tensors, samples, reference, outputs, inputs)
+            weights: WeightProof | str = onnx_weights(path, tensors, against)
+            program: ProgramProof | str = QUANTIZED if quantized else onnx_program(path, tensors, samples, reference,
+                                                                                  outputs, inputs)
         elif target in ("exported_program", "aoti"):
             source = path if target == "exported_program" else program_file
             if source is None:
@@ -94,8 +100,11 @@ def reask(checkpoint: Path, out: Path, report: dict[str, Any], manifest: dict[st
                           Asked(name, "program", None, f"not asked: {why}")]
                 continue
             load = (entry.get("info") or {}).get("load") or {}
-            weights = prove_weights(read_constants(source), tensors) if not allow_pickle else \
+            weights = prove_weights(read_constants(source), tensors, against=against) if not allow_pickle else \
                 "its constants are pickled (loaded with --allow-artifact-pickle)"
+            if quantized:
+                asked += [_asked(name, "weights", weights), _asked(name, "program", QUANTIZED)]
+                continue
             try:
                 import_spec_types(tuple(load.get("imports") or ()))  # allow-listed ModelOutput modules only
                 module_program = load_program(source, allow_pickle=allow_pickle)

@@ -34,11 +34,12 @@ class Changed:
     how: str  # name, content, transposed
     max_abs: float  # the largest |artifact - checkpoint| (float64)
     rel_l2: float  # ||artifact - checkpoint|| / ||checkpoint||
+    against: str = "the checkpoint's"  # what it was compared with
 
     def line(self) -> str:
         where = self.weight if self.constant in (self.weight,) or self.how == "name" else \
             f"{self.weight} (as {self.constant}, traced by {self.how})"
-        return f"weight {where} differs from the checkpoint's (max |diff| {self.max_abs:.3g}, " \
+        return f"weight {where} differs from {self.against} (max |diff| {self.max_abs:.3g}, " \
                f"relative L2 {self.rel_l2:.3g})"
 
 
@@ -108,11 +109,18 @@ def _difference(constant: torch.Tensor, weight: torch.Tensor) -> tuple[float, fl
 
 
 def _same(constant: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Equal after the declared cast: the checkpoint tensor in the constant's dtype, bit for bit."""
+    """Equal after the declared cast: the checkpoint tensor in the constant's dtype, bit for bit (NaN where the
+    other has NaN; float8 tensors too, which have no ``nan_to_num``)."""
     cast = weight.to(device=constant.device, dtype=constant.dtype)
-    return bool(torch.equal(cast, constant)) or (cast.is_floating_point() and bool(
-        torch.equal(torch.nan_to_num(cast, nan=0.0), torch.nan_to_num(constant, nan=0.0))
-        and torch.equal(cast.isnan(), constant.isnan())))
+    if cast.is_floating_point() and cast.element_size() == 1:  # float8: compared as its bytes (no equal kernel)
+        return cast.shape == constant.shape and torch.equal(cast.view(torch.uint8), constant.view(torch.uint8))
+    if torch.equal(cast, constant):
+        return True
+    if not cast.is_floating_point():
+        return False
+    nans = cast.isnan()
+    return bool(nans.any()) and torch.equal(nans, constant.isnan()) and torch.equal(
+        cast.double().masked_fill(nans, 0.0), constant.double().masked_fill(nans, 0.0))
 
 
 def _shapes(weight: torch.Tensor) -> list[tuple[str, tuple[int, ...]]]:
@@ -125,9 +133,11 @@ def _shapes(weight: torch.Tensor) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def prove_weights(constants: dict[str, torch.Tensor], checkpoint: dict[str, torch.Tensor],
-                  note: str = "") -> WeightProof:
+                  note: str = "", against: str = "the checkpoint's") -> WeightProof:
     """Trace every constant of ``constants`` (an artifact's, by its own names) to ``checkpoint`` (the checkpoint's
-    model's state dict) and compare them exactly (see the module's docstring)."""
+    model's state dict; for a quantized run, its model after the declared quantization: each fp8 linear's
+    ``qweight`` and ``scales`` computed from the checkpoint's weight) and compare them exactly (see the module's
+    docstring). ``against`` says in a failure's line what they were compared with."""
     proof = WeightProof(constants=len(constants), note=note)
     names = _suffixes(checkpoint)
     found: set[str] = set()
@@ -142,7 +152,8 @@ def prove_weights(constants: dict[str, torch.Tensor], checkpoint: dict[str, torc
                 found.add(str(weight_name))
                 proof.by_name += 1
                 if not _same(constant, candidate):
-                    proof.changed.append(Changed(name, str(weight_name), "name", *_difference(constant, candidate)))
+                    proof.changed.append(Changed(name, str(weight_name), "name", *_difference(constant, candidate),
+                                                  against))
                 continue
         pending[name] = constant
     by_shape: dict[tuple[int, ...], list[tuple[str, str, torch.Tensor]]] = {}
@@ -167,7 +178,7 @@ def prove_weights(constants: dict[str, torch.Tensor], checkpoint: dict[str, torc
             (max_abs, rel), weight_name, how = nearest
             found.add(weight_name)
             proof.by_content += 1
-            proof.changed.append(Changed(name, weight_name, how, max_abs, rel))
+            proof.changed.append(Changed(name, weight_name, how, max_abs, rel, against))
         elif constant.numel() >= LARGE:
             proof.untraced.append({"constant": name, "shape": list(constant.shape), "dtype": str(constant.dtype)})
         else:

@@ -4,7 +4,9 @@ script would make them: the checkpoint loaded with transformers, one thing chang
 All in layer 1: ``scale`` attention scale x1.05; ``layernorm`` the input LayerNorm's weight x1.01; ``noise`` 0.5%
 relative noise on the MLP's first Linear; ``stale`` the attention's output projection from halfway through
 training; ``gelu-tanh`` tanh-approximated GELU for the exact one; ``rope-base`` the rotary base x1.01;
-``mask-shift`` the causal mask shifted by one (each position also sees the next). :data:`EXPECT` is what a
+``mask-shift`` the causal mask shifted by one (each position also sees the next); ``fp8-scale`` one fp8 linear's
+scales x1.05 (a quantized convert only); ``kv-cache-slot`` the decode program's cache write one slot off
+(``--task text-generation`` only; :data:`ONLY`). :data:`EXPECT` is what a
 gate must name for each. Used by ``benchmarks/planted_matrix.py`` and the tests of the proofs.
 """
 
@@ -20,7 +22,15 @@ LAYER = 1
 EXPECT = {"scale": f"gpt_neox.layers.{LAYER}.attention", "layernorm": f"layers.{LAYER}.input_layernorm.weight",
           "noise": f"layers.{LAYER}.mlp.dense_h_to_4h.weight", "stale": f"layers.{LAYER}.attention.dense.weight",
           "gelu-tanh": f"gpt_neox.layers.{LAYER}.mlp", "rope-base": "rotary_emb.inv_freq",
-          "mask-shift": f"gpt_neox.layers.{LAYER}.attention"}
+          "mask-shift": f"gpt_neox.layers.{LAYER}.attention", "fp8-scale": f"layers.{LAYER}.mlp.dense_h_to_4h.scales",
+          "kv-cache-slot": "decode step 1"}
+# defects only one column of the matrix can carry: that column, and why the others cannot
+ONLY = {
+    "fp8-scale": ("convert", "fp8 scales exist only in exporter's quantized convert (exporter check refuses a "
+                             "quantize recipe: a user's artifact was not built from exporter's quantization)"),
+    "kv-cache-slot": ("generation", "a forward program has no KV cache (its write is judged by convert --task "
+                                    "text-generation's step-by-step gate)"),
+}
 # also right for the RoPE base where the frequencies are no constant of the artifact: the rotary module (located by
 # value), or the first attention the folded cos/sin tables enter (an ONNX optimizer folds them into constants)
 ALSO = {"rope-base": ("gpt_neox.rotary_emb", "gpt_neox.layers.0.attention")}
@@ -29,12 +39,6 @@ ALSO = {"rope-base": ("gpt_neox.rotary_emb", "gpt_neox.layers.0.attention")}
 def named(defect: str, text: str) -> bool:
     """Whether ``text`` (a failure's line) names what ``defect`` planted (:data:`EXPECT`, or one of :data:`ALSO`)."""
     return any(name in text for name in (EXPECT[defect], *ALSO.get(defect, ())))
-NOT_APPLICABLE = {
-    "kv-cache-slot": "a forward program has no KV cache: the cache write is judged by convert --task "
-                     "text-generation's step-by-step gate",
-    "fp8-scale": "exporter check judges against the checkpoint's own model; fp8 scales are judged by convert "
-                 "--recipe h100-fp8",
-}
 
 
 def plant(model, defect: str, checkpoint: Path) -> Callable[[], None]:
@@ -78,7 +82,13 @@ def plant(model, defect: str, checkpoint: Path) -> Callable[[], None]:
             base = model.config.rope_parameters["rope_theta"] * 1.01
             inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
             replace(rotary, "inv_freq", inv_freq.to(rotary.inv_freq))
-        elif defect not in ("clean", "mask-shift"):  # mask-shift: planted while exporting (shifted_mask)
+        elif defect == "fp8-scale":  # one fp8 linear's per-row scales x1.05 (the model quantized before tracing)
+            linear = layer.mlp.dense_h_to_4h
+            if not hasattr(linear, "scales"):
+                raise ValueError("fp8-scale needs a quantized model (a recipe with [quantize])")
+            replace(linear, "scales", linear.scales * 1.05)
+        elif defect not in ("clean", "mask-shift", "kv-cache-slot"):  # planted while exporting: shifted_mask,
+            # slot_off
             raise ValueError(defect)
 
     def undo_all() -> None:
@@ -187,6 +197,47 @@ def export_onnx(checkpoint: Path, path: Path, defect: str, dynamo: bool = True) 
     return path
 
 
+# what a checkpoint folder (all another tool such as Optimum's exporter is given) cannot carry
+NOT_IN_A_FOLDER = {
+    "scale": "the attention's scale is code, not a weight or a config key a folder holds",
+    "mask-shift": "the causal mask is code, not a weight or a config key a folder holds",
+    "gelu-tanh": "a folder's config (hidden_act) changes every layer's activation, not layer 1's alone",
+}
+
+
+def planted_folder(checkpoint: Path, defect: str, folder: Path) -> Path:
+    """A copy of the trained model's folder with ``defect`` planted as a folder can carry it: a weight of
+    :func:`plant` written into its safetensors, or the rotary base in its config. The config also carries the
+    rotary keys transformers 4 reads (``rotary_pct``, ``rotary_emb_base``), so a tool running transformers 4 (Optimum)
+    builds the same model. :data:`NOT_IN_A_FOLDER`: the defects it cannot carry."""
+    import json  # noqa: PLC0415
+    import shutil  # noqa: PLC0415
+
+    from safetensors.torch import load_file, save_file  # noqa: PLC0415
+    from transformers import GPTNeoXForCausalLM  # noqa: PLC0415
+
+    if defect in NOT_IN_A_FOLDER:
+        raise ValueError(f"{defect}: {NOT_IN_A_FOLDER[defect]}")
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.copytree(checkpoint, folder, ignore=shutil.ignore_patterns("earlier", "training.json"))
+    config = json.loads((folder / "config.json").read_text())
+    rope = config.get("rope_parameters") or {}
+    theta = float(rope.get("rope_theta", 10000.0)) * (1.01 if defect == "rope-base" else 1.0)
+    rope["rope_theta"] = theta
+    config.update(rope_parameters=rope, rotary_pct=rope.get("partial_rotary_factor", 0.25), rotary_emb_base=theta)
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if defect in ("layernorm", "noise", "stale"):
+        tensors = load_file(str(folder / "model.safetensors"))
+        model = GPTNeoXForCausalLM.from_pretrained(checkpoint).eval()
+        plant(model, defect, checkpoint)
+        state = model.state_dict()
+        save_file({name: state[name].detach().contiguous() if name in state else tensor
+                   for name, tensor in tensors.items()}, str(folder / "model.safetensors"))
+    elif defect not in ("clean", "rope-base"):
+        raise ValueError(f"{defect}: not a defect a folder carries")
+    return folder
+
+
 @contextlib.contextmanager
 def planted_in_convert(checkpoint: Path, defect: str):
     """While inside, ``exporter convert`` plants ``defect`` only while it traces the model with ``torch.export``
@@ -206,10 +257,46 @@ def planted_in_convert(checkpoint: Path, defect: str):
 
     exported_program._export_module = traced
     try:
-        yield
+        with slot_off(defect):
+            yield
     finally:
         exported_program._export_module = real
 
 
-__all__ = ["ALSO", "EXPECT", "LAYER", "NOT_APPLICABLE", "export", "export_onnx", "named", "plant", "planted_in_convert",
-           "planted_sdpa", "shifted_mask"]
+@contextlib.contextmanager
+def slot_off(defect: str):
+    """``kv-cache-slot``: while ``convert --task text-generation`` exports its decode program, layer
+    :data:`LAYER`'s cache write lands one slot after the step's position (the last slot stays the last): the
+    prefill programs, the float64 generation and the eager models write where they should."""
+    if defect != "kv-cache-slot":
+        yield
+        return
+    from ..generation import cache  # noqa: PLC0415
+
+    real = cache.transformers_cache
+
+    def planted(kv, positions):
+        made = real(kv, positions)
+        layer = made.layers[LAYER]
+        update = layer.update
+
+        def shifted(key_states, value_states, *args, **kwargs):
+            if not (torch.compiler.is_exporting() and key_states.shape[2] == 1):  # the decode step's trace only
+                return update(key_states, value_states, *args, **kwargs)
+            slots = (positions + 1).clamp(max=layer.keys.shape[2] - 1)
+            layer.keys.index_copy_(2, slots, key_states.to(layer.keys.dtype))
+            layer.values.index_copy_(2, slots, value_states.to(layer.values.dtype))
+            return layer.keys, layer.values
+
+        layer.update = shifted
+        return made
+
+    cache.transformers_cache = planted
+    try:
+        yield
+    finally:
+        cache.transformers_cache = real
+
+
+__all__ = ["ALSO", "EXPECT", "LAYER", "NOT_IN_A_FOLDER", "ONLY", "export", "export_onnx", "named", "plant",
+           "planted_folder", "planted_in_convert", "planted_sdpa", "shifted_mask", "slot_off"]

@@ -114,6 +114,23 @@ def train(out: Path, arch: str = "gpt-neox", steps: int = 1500, seed: int = 0) -
     return summary
 
 
+def held_out_samples(path: Path, batch: int = 4, sequence: int = 64, samples: int = 2) -> Path:
+    """An inputs file (``--inputs``) of text the model never trained on: ``samples`` samples of ``batch`` windows of
+    ``sequence`` bytes each from the held-out tail of :func:`corpus`, every token attended. Where a figure must mean
+    something (fp8's top-1 agreement and KL), it is asked on text, not on random tokens."""
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    held_out = torch.frombuffer(bytearray(corpus()), dtype=torch.uint8).to(torch.int64)[-8192:]
+    windows = held_out[: batch * sequence * samples].view(samples, batch, sequence)
+    tensors = {}
+    for index in range(samples):
+        tensors[f"{index}.input_ids"] = windows[index].contiguous()
+        tensors[f"{index}.attention_mask"] = torch.ones(batch, sequence, dtype=torch.int64)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path))
+    return path
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("EXPORTER_CACHE", Path.home() / ".cache" / "exporter")) / "trained"
 
