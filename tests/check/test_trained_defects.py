@@ -72,6 +72,29 @@ def test_a_users_onnx_gets_the_program_proof_and_a_defect_is_located_by_value(tr
     assert EXPECT["gelu-tanh"] in entry["proofs"]["program"]["module"], entry["proofs"]["program"]
 
 
+def test_a_users_optimum_export_of_a_changed_folder_fails_by_the_weight_it_changed(trained, tmp_path):
+    """A user's Optimum export (``optimum-cli export onnx``, in Optimum's own environment with transformers 4) of a
+    copy of the folder with 0.5% noise on one Linear fails by the weights proof, named; the clean folder's export
+    passes every proof: both transformers generations build the same model from the folder."""
+    from exporter.testing.defects import planted_folder
+    from exporter.testing.optimum_peer import export as optimum_export
+    from exporter.testing.optimum_peer import optimum_cli
+
+    cli, why = optimum_cli()
+    if cli is None:
+        pytest.skip(why)
+    for defect, expected in (("clean", 0), ("noise", 3)):
+        folder = planted_folder(trained, defect, tmp_path / f"{defect}-model")
+        done = optimum_export(folder, tmp_path / f"{defect}-onnx", "text-generation")
+        assert done.returncode == 0, done.stderr[-2000:]
+        code, entry, stderr = check(tmp_path / f"{defect}-onnx", trained, tmp_path / defect)
+        assert code == expected, stderr[-3000:]
+        if defect == "clean":
+            assert entry["proofs"]["weights"]["passed"] and entry["proofs"]["program"]["passed"], entry["proofs"]
+        else:
+            assert entry["proofs"]["weights"]["passed"] is False and EXPECT["noise"] in entry["error"], entry["error"]
+
+
 def test_a_defect_entering_converts_export_fails_every_artifact_built_from_it(trained, tmp_path):
     """The defect is planted only while convert traces the model (the reference, eager and the rewritten model stay
     clean): the exported program, and the ONNX model made from it, fail the program proof, named."""
