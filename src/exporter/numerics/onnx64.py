@@ -255,6 +255,34 @@ def _feed(session: _Session, sample: list[torch.Tensor], inputs: tuple[str, ...]
             for name, t in zip(session.inputs, ordered)}
 
 
+def indices_through_log(proto: Any) -> list[str]:
+    """The casts to an integer type whose input is computed through a ``Log`` (a relative-position bucket, as T5
+    and MPNet compute it: ``log(distance / exact) / log(max / exact)``, truncated to an index). The exporter writes
+    that expression's Python-float constants as float32 literals; their rounding can move an index across an
+    integer, which a float64 twin cannot undo (T5's twin picked other buckets: 0.8% of the output's RMS)."""
+    from onnx import TensorProto  # noqa: PLC0415
+
+    integers = {TensorProto.INT64, TensorProto.INT32, TensorProto.INT16, TensorProto.INT8, TensorProto.UINT8}
+    found = []
+    for graph in _graphs(proto.graph):
+        producer = {out: node for node in graph.node for out in node.output}
+        for node in graph.node:
+            if node.op_type != "Cast" or not any(a.name == "to" and a.i in integers for a in node.attribute):
+                continue
+            seen, stack = set(), list(node.input)
+            while stack and len(seen) < 64:  # a bucket's expression is a handful of nodes above its cast
+                value = stack.pop()
+                source = producer.get(value)
+                if source is None or value in seen:
+                    continue
+                seen.add(value)
+                if source.op_type == "Log":
+                    found.append(node.name or node.output[0])
+                    break
+                stack.extend(source.input)
+    return found
+
+
 def run_onnx_twin(path: Path, tensors: dict[str, torch.Tensor], samples: list[list[torch.Tensor]],
                   reference: list[list[torch.Tensor]], inputs: tuple[str, ...], names: tuple[str, ...],
                   locate_with: Any = None) -> ProgramProof:
@@ -269,6 +297,11 @@ def run_onnx_twin(path: Path, tensors: dict[str, torch.Tensor], samples: list[li
     if half:
         raise NotTwinned(f"its literals are float16/bfloat16 ({', '.join(half[:3])}): their rounding cannot be told "
                          "from the program's own in float64")
+    through_log = indices_through_log(proto)
+    if through_log:
+        raise NotTwinned(f"it computes integer indices through a logarithm of float32 literals ({through_log[0]}: a "
+                         "relative-position bucket): a literal's rounding can move an index, which float64 cannot "
+                         "undo")
     floating = sum(math.prod(i.dims) for i in proto.graph.initializer)
     promote_onnx(proto, tensors, proof)
     with tempfile.TemporaryDirectory(prefix="exporter-onnx64-") as folder:
@@ -335,5 +368,5 @@ def _by_value(session: _Session, folder: Path, sample: list[torch.Tensor], input
     return f"no module's float64 output was missing from the twin's values ({checked} modules compared by value)"
 
 
-__all__ = ["EVALUATOR_LIMIT", "NotTwinned", "half_literals", "initializer_tensor", "onnx_constants", "promote_onnx",
-           "run_onnx_twin"]
+__all__ = ["EVALUATOR_LIMIT", "NotTwinned", "half_literals", "indices_through_log", "initializer_tensor",
+           "onnx_constants", "promote_onnx", "run_onnx_twin"]
