@@ -269,7 +269,8 @@ def indices_through_log(proto: Any) -> list[str]:
         for node in graph.node:
             if node.op_type != "Cast" or not any(a.name == "to" and a.i in integers for a in node.attribute):
                 continue
-            seen, stack = set(), list(node.input)
+            seen: set[str] = set()
+            stack = list(node.input)
             while stack and len(seen) < 64:  # a bucket's expression is a handful of nodes above its cast
                 value = stack.pop()
                 source = producer.get(value)
