@@ -185,8 +185,8 @@ def main() -> int:
     for defect in defects:
         planted, seed = (defect.split(":")[0], int(defect.split(":")[1])) if ":" in defect else (defect, 0)
         fp8 = planted.startswith("fp8-")
-        only = ONLY["fp8-scale" if fp8 else planted][0] if fp8 or planted in ONLY else None
         planted = "clean" if planted == "fp8-clean" else planted
+        only = "convert" if fp8 else ONLY[planted][0] if planted in ONLY else None
         row: dict = {"defect": defect, "cells": {}}
         for column in columns:
             where = args.out / "runs" / f"{defect.replace(':', '-')}-{column}"

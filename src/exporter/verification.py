@@ -492,7 +492,7 @@ def _reask(checkpoint: Path, out: Path, report: dict[str, Any], manifest: dict[s
 
     t0 = time.perf_counter()
     samples, reference = load_reference(out, report)
-    for asked in reask(checkpoint, out, report, manifest, entries, samples, reference, allow_pickle, _requantize):
+    for asked in reask(checkpoint, out, report, manifest, entries, samples, reference, _requantize, allow_pickle):
         code = EXIT_INTEGRITY if asked.name == "checkpoint" else EXIT_NUMERICS
         fix = "pass the checkpoint the folder was made from (manifest.json lists its files' hashes)" \
             if asked.name == "checkpoint" else ""

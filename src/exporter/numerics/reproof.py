@@ -52,8 +52,7 @@ def _asked(subject: str, name: str, proof: WeightProof | ProgramProof | str) -> 
 
 def reask(checkpoint: Path, out: Path, report: dict[str, Any], manifest: dict[str, Any], entries: list[dict],
           samples: list[list[torch.Tensor]], reference: list[list[torch.Tensor]],
-          allow_pickle: bool = False, requantize: Callable[[torch.nn.Module, dict[str, Any]], Any] | None = None
-          ) -> list[Asked]:
+          requantize: Callable[[torch.nn.Module, dict[str, Any]], Any], allow_pickle: bool = False) -> list[Asked]:
     """The proofs of each of ``entries`` (artifacts verify re-ran) asked again with ``checkpoint``'s tensors, against
     the folder's stored ``samples`` and float64 ``reference`` outputs. A quantized run's weights are compared with
     the checkpoint's after ``requantize(model, the recipe's [quantize] section)`` made its fp8 linears again."""
@@ -75,11 +74,8 @@ def reask(checkpoint: Path, out: Path, report: dict[str, Any], manifest: dict[st
         return [Asked("folder", "checkpoint", False, problem)]
     asked = [Asked("folder", "checkpoint", True, f"{checkpoint} is the checkpoint the folder was made from")]
     quantized = bool(report.get("quantization"))
-    if quantized and requantize is None:
-        return asked + [a for e in entries for a in (Asked(e["name"], "weights", None, f"not asked: {QUANTIZED}"),
-                                                      Asked(e["name"], "program", None, f"not asked: {QUANTIZED}"))]
-    if quantized and requantize is not None:  # the declared transform again, from the checkpoint's weights
-        requantize(loaded.model, (manifest.get("recipe") or {}).get("quantize") or {})  # the whole recipe
+    if quantized:  # the declared transform again, from the checkpoint's weights (the manifest holds the recipe)
+        requantize(loaded.model, (manifest.get("recipe") or {}).get("quantize") or {})
     tensors = checkpoint_tensors(loaded.model)
     against = AFTER_QUANTIZATION if quantized else "the checkpoint's"
     inputs, outputs = tuple(report["inputs"]["names"]), tuple(report["outputs"])
