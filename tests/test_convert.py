@@ -22,6 +22,7 @@ import torch
 
 import exporter
 from exporter.recipe import load_recipe
+from exporter.targets.aoti_loader import load_package
 
 pytestmark = pytest.mark.slow
 
@@ -130,12 +131,17 @@ def test_a_sentence_transformers_folder_is_exported_with_its_pipeline_and_loads_
     tokens = AutoTokenizer.from_pretrained(result.out)(texts, padding=True, return_tensors="pt")
     expected = SentenceTransformer(str(minilm_path), device="cpu").to(torch.float64).encode(texts,
                                                                                           convert_to_tensor=True)
-    session = ort.InferenceSession(str(result.out / "model.onnx"))
-    feeds = {i.name: tokens[i.name].numpy() for i in session.get_inputs()}
-    onnx_out = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+    assert set(tokens) == {"input_ids", "token_type_ids", "attention_mask"}
+    assert result.report["inputs"]["names"] == ["input_ids", "attention_mask", "token_type_ids"]
+    session = ort.InferenceSession(str(result.out / "model.onnx"))  # fed the tokenizer's output as it comes
+    onnx_out = dict(zip([o.name for o in session.get_outputs()],
+                        session.run(None, {k: v.numpy() for k, v in tokens.items()})))
     program = torch.export.load(str(result.out / "model.pt2")).module()
-    ep_out = program(tokens["input_ids"], tokens["attention_mask"])[1]
-    for got in (torch.from_numpy(onnx_out["sentence_embedding"]), ep_out):
+    ep_out = program(**tokens)[1]  # by keyword, in the tokenizer's order
+    package = load_package(result.out / "model.aoti.pt2")
+    by_position = package(tokens["input_ids"], tokens["attention_mask"], tokens["token_type_ids"])[1]
+    assert torch.equal(package(**tokens)[1], by_position)
+    for got in (torch.from_numpy(onnx_out["sentence_embedding"]), ep_out, by_position):
         cosine = torch.nn.functional.cosine_similarity(got.to(torch.float64), expected, dim=-1)
         assert cosine.min().item() >= 0.99999, cosine
 

@@ -17,7 +17,10 @@ def test_generated_text_inputs(tiny_models):
     model = load_model(tiny_models["bert"]).model
     section = load_recipe("cpu-fp32").inputs
     plan = plan_inputs(model, section)
-    assert plan.names == ("input_ids", "attention_mask")
+    # BERT's tokenizer returns segment ids beside the mask: the artifacts take them too (both segments drawn)
+    assert plan.names == ("input_ids", "attention_mask", "token_type_ids")
+    segments = torch.cat([s["token_type_ids"].flatten() for s in plan.samples])
+    assert set(segments.tolist()) == set(range(model.config.type_vocab_size)) == {0, 1}
     sample = plan.samples[0]
     assert sample["input_ids"].shape == (2, 32) and sample["input_ids"].dtype == torch.int64
     assert int(sample["input_ids"].max()) < model.config.vocab_size and int(sample["input_ids"].min()) >= 0
@@ -39,6 +42,7 @@ def test_the_sequence_dim_stays_within_the_models_positions(tiny_models):
     sequence = next(d for d in plan.dims if d.name == "sequence")
     assert (sequence.size, sequence.min, sequence.max) == (256, 2, 256)
     assert plan.samples[0]["input_ids"].shape[1] == 256
+    assert "token_type_ids" not in plan.names  # GPT-2's forward takes them, its config has no segment types
     assert any("max 512 narrowed to 256" in note and "max_position_embeddings" in note for note in plan.notes)
     within = plan_inputs(load_model(tiny_models["bert"]).model, load_recipe("cpu-fp32").inputs)  # 512 <= 512
     assert not within.notes and next(d for d in within.dims if d.name == "sequence").max == 512

@@ -104,7 +104,8 @@ def _vision_config(config: Any) -> Any:
 def infer_specs(model: nn.Module, section: InputsSection) -> tuple[TensorSpec, ...]:
     """The declared tensors, else specs inferred from a transformers model's config.
 
-    Every input the forward needs is generated from what the config says: token ids (text, and a decoder's
+    Every input the forward needs is generated from what the config says: token ids (text, with the segment
+    ``token_type_ids`` where the config has more than one type, as BERT's tokenizer returns them; and a decoder's
     ``decoder_input_ids`` on dim ``decoder_sequence``), ``pixel_values`` at the configured image size (a
     text-and-image model such as CLIP gets both), Whisper's ``input_features`` (``num_mel_bins`` x
     ``2 * max_source_positions`` frames: its encoder takes no other length) and raw audio ``input_values`` on
@@ -139,6 +140,9 @@ def infer_specs(model: nn.Module, section: InputsSection) -> tuple[TensorSpec, .
         specs.append(TensorSpec("input_ids", (batch, seq), "int64", 0, int(vocab)))
         if "attention_mask" in params:
             specs.append(TensorSpec("attention_mask", (batch, seq), "int64", 0, 2))
+        types = int(_config_get(config, "type_vocab_size", default=0) or 0)
+        if "token_type_ids" in params and types > 1:  # the tokenizer hands these over; the artifact takes them
+            specs.append(TensorSpec("token_type_ids", (batch, seq), "int64", 0, types))
     if "pixel_values" in params and (not specs or hasattr(config, "vision_config")):
         vision = _vision_config(config)
         size = _config_get(vision, "image_size", default=224)

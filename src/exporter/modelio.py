@@ -76,6 +76,28 @@ def import_spec_types(modules: tuple[str, ...] | None) -> None:
             importlib.import_module(module)
 
 
+def keyword_names(in_spec: Any) -> tuple[str, ...] | None:
+    """The names a program or package takes its inputs by when its call spec is keywords only (``(), {...}``,
+    as convert exports them), else None."""
+    if (in_spec is None or in_spec.type is not tuple or in_spec.num_children != 2
+            or in_spec.child(0).num_children or in_spec.child(1).type is not dict):
+        return None
+    return tuple(in_spec.child(1).context) or None
+
+
+def by_name(fn: Any, in_spec: Any = None) -> Any:
+    """``fn`` (a program's module, or ``in_spec``'s) callable by position too when it takes keywords only:
+    positional inputs are bound to its names in order, as a Python function binds them (keywords pass through)."""
+    names = keyword_names(in_spec if in_spec is not None else getattr(fn, "_in_spec", None))
+    if names is None:
+        return fn
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return fn(**dict(zip(names, args)), **kwargs)
+
+    return call
+
+
 def named_call(fn: Any, keywords: tuple[str, ...] | None, outputs: tuple[str, ...] | None, positional: int = 0):
     """``fn`` (a program or package another tool made) behind the positional convention: called with its first
     ``positional`` inputs by position and the rest by the names ``keywords`` gives, when it takes keywords; its

@@ -35,6 +35,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import describe
+from ..modelio import keyword_names
 from .promote import LOW, PromoteCasts
 from .weights import PAIRING, _named, _same, _suffixes
 
@@ -194,6 +195,7 @@ class Twin:
 
     def __init__(self, program: Any):
         self.program = program
+        self._in_spec = program.call_spec.in_spec  # read by ``modelio.by_name``, as a program's module's is
 
     def __call__(self, *args, **kwargs):
         from torch.export.graph_signature import OutputKind  # noqa: PLC0415
@@ -271,6 +273,8 @@ def locate_twin(program: Any, calls: list, sample: list[torch.Tensor], device: s
     args = [(t.to(torch.float64) if t.is_floating_point() else t).to(device) for t in sample]
     with torch.inference_mode(), hooks_on(unflat, {prefix + c.path for c in calls}, None,
                                           recorder(graph, len(prefix))):
+        if not keywords:  # convert's own program takes its inputs by name
+            keywords, positional = keyword_names(program.call_spec.in_spec), 0
         if keywords:
             unflat(*args[:positional], **dict(zip(keywords, args[positional:])))
         else:

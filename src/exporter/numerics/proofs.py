@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..errors import describe
+from ..modelio import by_name
 from ..results import FAILED, NUMERICS_FAILED, OK, VariantResult
 from .program64 import ProgramProof, detached, holding, prove_twin
 from .tolerance import POWER, detectable_ratio
@@ -97,8 +98,8 @@ def prove_converted(results: list[VariantResult], program: Any, tensors: dict[st
         weights: WeightProof | str = prove_weights({k: v.detach().cpu() for k, v in constants.items()}, tensors,
                                                    against=AFTER_QUANTIZATION if quantized else "the checkpoint's")
         proof: ProgramProof | str = QUANTIZED if quantized else prove_twin(
-            detached(program), tensors, device, lambda module, args: list(module(*args)), samples, reference, names,
-            original, prefix="model.")
+            detached(program), tensors, device, lambda module, args: list(by_name(module)(*args)), samples, reference,
+            names, original, prefix="model.")
         for result in built:
             record(result, "weights", weights)
             record(result, "program", proof)

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import describe
+from ..modelio import by_name
 from .program64 import ProgramProof, prove_twin
 from .weights import WeightProof, prove_weights
 
@@ -118,7 +119,7 @@ def _caller(load: dict[str, Any], outputs: tuple[str, ...]):
     from ..modelio import named_call  # noqa: PLC0415
 
     if not load.get("named"):
-        return lambda module, args: list(module(*args))
+        return lambda module, args: list(by_name(module)(*args))
     keywords = tuple(load["keywords"]) if load.get("keywords") else None
     return lambda module, args: named_call(module, keywords, tuple(load.get("outputs") or outputs),
                                            int(load.get("positional", 0)))(args)

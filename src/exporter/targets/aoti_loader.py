@@ -5,7 +5,7 @@ builds (``aoti_loader.py``), so a server can load the package the same way::
 
     from aoti_loader import load_package
     model = load_package("model.aoti.pt2")
-    outputs = model(input_ids, attention_mask)
+    outputs = model(**tokens)  # by name, in any order; or by position: model(input_ids, attention_mask)
 
 For inputs of one shape, ``CudaGraphed`` replays the package from a CUDA graph (no launch overhead per
 kernel: what a small batch needs)::
@@ -60,6 +60,11 @@ class CompiledModel:
         self._out = pytree.treespec_loads(out_spec)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        spec = self._in
+        if args and spec.type is tuple and spec.num_children == 2 and not spec.child(0).num_children:
+            # a package taking keywords (as exporter builds them), called by position: bound in order
+            kwargs = {**dict(zip(spec.child(1).context, args)), **kwargs}
+            args = ()
         if kwargs:
             from torch.export._tree_utils import reorder_kwargs  # noqa: PLC0415 - only for keyword calls
 

@@ -21,7 +21,7 @@ from ..attention_backend import backend_context
 from ..dtypes import torch_dtype
 from ..errors import shorten
 from ..measure.kernels import hook
-from ..modelio import import_spec_types, named_call
+from ..modelio import by_name, import_spec_types, named_call
 from ..rewrite.graph_facts import count_graph_ops
 from ..rewrite.transformers_masks import positions_from_model, trivial_masks_skipped
 from .context import BuildContext, Built, DecoderPrograms
@@ -64,7 +64,28 @@ def export_module(module, example, plan, notes: list[str], hints_first: bool = F
         return _export_module(module, example, plan, notes, hints_first)
 
 
+def called_by_keyword(program):
+    """``program`` taking its inputs by name, in any order: ``model.pt2``'s ``.module()(**tokens)`` and the AOTI
+    package compiled from it take a tokenizer's dict as it comes (torch records a positional export's call spec
+    as positional only). The graph and its placeholders are unchanged; only the call spec and the example
+    inputs the package is compiled from are recorded as keywords."""
+    import torch.utils._pytree as pytree  # noqa: PLC0415
+
+    signature = program._module_call_graph[0].signature
+    args, kwargs = program.example_inputs
+    names = signature.forward_arg_names if signature is not None else None
+    if signature is None or kwargs or not names or len(names) != len(args):
+        return program
+    signature.in_spec = pytree.tree_structure(((), dict.fromkeys(names, 0)))
+    program.example_inputs = ((), dict(zip(names, args)))
+    return program
+
+
 def _export_module(module, example, plan, notes: list[str], hints_first: bool = False):
+    return called_by_keyword(_export_traced(module, example, plan, notes, hints_first))
+
+
+def _export_traced(module, example, plan, notes: list[str], hints_first: bool = False):
     hinted = plan.export_dynamic_shapes(hints=True)
     if hints_first and hinted is not None:
         program = torch.export.export(module, tuple(example), dynamic_shapes=hinted, strict=False)
@@ -111,7 +132,7 @@ def build(ctx: BuildContext) -> list[Built]:
 def load(spec: RunnerSpec) -> Loaded:
     import_spec_types(spec.option("imports"))  # a foreign program's ModelOutput types, registered first
     program = load_program(spec.file(), allow_pickle=bool(spec.option("pickle")))  # nothing unpickled unless allowed
-    module = program.module()
+    module = by_name(program.module())
     # a program another tool exported (exporter check): called by name, its outputs picked by name
     inner = named_call(module, spec.option("keywords"), spec.option("outputs"),
                        spec.option("positional", 0)) if spec.option("named") else None

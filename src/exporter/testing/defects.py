@@ -66,8 +66,8 @@ def plant(model, defect: str, checkpoint: Path) -> Callable[[], None]:
             replace(layer.input_layernorm, "weight", layer.input_layernorm.weight * 1.01)
         elif defect == "noise":
             weight = layer.mlp.dense_h_to_4h.weight
-            replace(layer.mlp.dense_h_to_4h, "weight", weight + torch.randn(
-                weight.shape, generator=torch.Generator().manual_seed(1)) * 0.005 * weight.pow(2).mean().sqrt())
+            noise = torch.randn(weight.shape, generator=torch.Generator().manual_seed(1)).to(weight.device)
+            replace(layer.mlp.dense_h_to_4h, "weight", weight + noise * 0.005 * weight.pow(2).mean().sqrt())
         elif defect == "stale":
             earlier = load_file(str(checkpoint / "earlier" / "model.safetensors"))
             stale = earlier[f"gpt_neox.layers.{LAYER}.attention.dense.weight"]
