@@ -507,6 +507,7 @@ def time_model(model: Model, checkpoint: Path, convert_dir: Path, convert: dict[
                hand_modes: list[str], tiny: bool, settings: dict[str, int], hand_originals: list[str],
                experiment_backends: list[str], on_row: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
     """Every row of ``model``: the variants timed interleaved, their figures, and the attention comparison."""
+    from exporter.modelio import by_name
     from exporter.prepare import from_source, place
     from exporter.targets.aoti_loader import load_package
     from exporter.targets.spec import ModelSource
@@ -522,7 +523,7 @@ def time_model(model: Model, checkpoint: Path, convert_dir: Path, convert: dict[
     image = int(getattr(config, "image_size", 224) or 224)
     program = exported = package = None
     if artifacts.get("exported_program", {}).get("status") == "ok":
-        program = torch.export.load(str(convert_dir / artifacts["exported_program"]["path"])).module()
+        program = by_name(torch.export.load(str(convert_dir / artifacts["exported_program"]["path"])).module())
     if artifacts.get("aoti", {}).get("status") == "ok":
         package = str(convert_dir / artifacts["aoti"]["path"])
         exported = load_package(package)

@@ -51,6 +51,8 @@ def map_inputs(artifact: Artifact, model: nn.Module, recipe: Recipe) -> tuple[Re
         if not defaults:
             raise _mismatch("it does not name its inputs, and the model's cannot be generated", artifact, model)
         order = list(defaults)
+        if ports and len(ports) < len(order) and set(order[len(ports):]) <= {"token_type_ids"}:
+            order = order[:len(ports)]  # a BERT exported with its ids and mask only: the segments default to 0
         if ports and len(ports) != len(order):
             raise _mismatch(f"it takes {len(ports)} unnamed inputs, the model's generated inputs are "
                             f"{', '.join(order)}", artifact, model)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..attention_backend import backend_context
-from ..modelio import IOModule
+from ..modelio import IOModule, keyword_names
 from .module_checks import (
     Call,
     finding_of,
@@ -69,6 +69,8 @@ def in_program(program, calls: list[Call], original: IOModule, sample: list[torc
     args = [(t.to(dtype) if t.is_floating_point() else t).to(device) for t in sample]
     with torch.inference_mode():
         with hooks_on(unflat, wanted, None, recorder(graph, len(prefix))), backend_context(backend, device):
+            if not keywords:  # convert's own program takes its inputs by name
+                keywords, positional = keyword_names(program.call_spec.in_spec), 0
             if keywords:
                 unflat(*args[:positional], **dict(zip(keywords, args[positional:])))
             else:

@@ -67,7 +67,8 @@ def plant(model, defect: str, checkpoint: Path) -> Callable[[], None]:
         elif defect == "noise":
             weight = layer.mlp.dense_h_to_4h.weight
             noise = torch.randn(weight.shape, generator=torch.Generator().manual_seed(1)).to(weight.device)
-            replace(layer.mlp.dense_h_to_4h, "weight", weight + noise * 0.005 * weight.pow(2).mean().sqrt())
+            replace(layer.mlp.dense_h_to_4h, "weight",
+                    (weight + noise * 0.005 * weight.pow(2).mean().sqrt()).to(weight.dtype))
         elif defect == "stale":
             earlier = load_file(str(checkpoint / "earlier" / "model.safetensors"))
             stale = earlier[f"gpt_neox.layers.{LAYER}.attention.dense.weight"]
