@@ -70,7 +70,7 @@ def test_exported_program_of_every_architecture(arch: Arch, tmp_path):
     module = program.module()
     for index, sample in enumerate(points):
         with torch.no_grad():
-            got = module(*[sample[n] for n in plan.names])
+            got = module(**{n: sample[n] for n in reversed(plan.names)})  # by name, in any order
         got = [got] if isinstance(got, torch.Tensor) else list(got)
         assert len(got) == len(outputs)
         for name, tensor, want in zip(outputs, got, reference.outputs[index]):

@@ -238,7 +238,7 @@ def test_dynamic_dims_work_in_the_artifacts(converted, tiny_models):
     with torch.no_grad():
         expected = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
     program = torch.export.load(str(result.out / "model.pt2")).module()
-    assert torch.allclose(program(ids, mask)[0], expected, atol=1e-4)
+    assert torch.allclose(program(attention_mask=mask, input_ids=ids)[0], expected, atol=1e-4)
     session = ort.InferenceSession(str(result.out / "model.onnx"), providers=["CPUExecutionProvider"])
     got = session.run(None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})[0]
     assert np.allclose(got, expected.numpy(), atol=1e-4)
@@ -266,7 +266,7 @@ def test_custom_factory_with_declared_inputs(factory_checkpoint, write_recipe, t
     program = torch.export.load(str(result.out / "model.pt2")).module()
     tokens = torch.randint(0, 100, (5, 20))
     features = torch.randn(5, 20, 32)
-    logits, hidden = program(tokens, features)
+    logits, hidden = program(**dict(zip(report["inputs"]["names"], (tokens, features))))
     assert logits.shape == (5, 20, 100)
 
 
