@@ -36,7 +36,7 @@ from .prepare import original_module
 from .progress import Progress
 from .quantize.stage import Quantization, quantize_stage
 from .recipe import Recipe, public_source
-from .results import NUMERICS_FAILED, OK, VariantResult
+from .results import OK, VariantResult
 from .rewrite import rewrite_attention
 from .runners import RemoteRunner, Spares
 from .targets import TARGETS
@@ -236,12 +236,9 @@ class ConvertRun:
         if later:
             with progress.stage("validate static variants", ", ".join(r.name for r in later)):
                 for result in later:
-                    proven = result.error if result.status == NUMERICS_FAILED else ""  # a proof that failed first
                     if validation.finish(result, loading[result.name]):
                         live[result.name] = loading[result.name]
                         not_on_grid(result)
-                    if proven and result.error and proven not in result.error:
-                        result.error = f"{proven}; {result.error}"  # the proof's name kept beside the outputs'
         validation.locate_failures(results, rewritten, plan, grid, program, progress)
         inherit_verdicts(results)
         self.warn(*validation.warnings)

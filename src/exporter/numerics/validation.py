@@ -166,7 +166,10 @@ class Validation:
         result.numerics = verdict
         if not verdict.passed:
             worst = verdict.failures[0]
-            result.fail(NUMERICS_FAILED, f"output {worst.output} (sample {worst.sample}): {worst.reason}")
+            why = f"output {worst.output} (sample {worst.sample}): {worst.reason}"
+            # a proof that failed before the outputs were judged (a CUDA-graph variant's) keeps its name first
+            earlier = result.error if result.status == NUMERICS_FAILED and result.error else ""
+            result.fail(NUMERICS_FAILED, f"{earlier}; {why}" if earlier else why)
 
     # ----------------------------------------------------------------------- the shape grid
 
