@@ -173,7 +173,9 @@ def measure(name: str, work: Path, recipe: str, targets: list[str], timeout_s: i
                                   "speedup": (a.get("bench") or {}).get("speedup_vs_eager"),
                                   "utilisation": (a.get("bench") or {}).get("utilisation"),
                                   "grid_points": len(((a.get("numerics") or {}).get("grid") or {}).get("points") or []),
-                                  "proofs": {n: (p or {}).get("passed") for n, p in (a.get("proofs") or {}).items()}}
+                                  "proofs": {n: (p or {}).get("passed") for n, p in (a.get("proofs") or {}).items()},
+                                  "proof_summaries": {n: (p or {}).get("summary")
+                                                      for n, p in (a.get("proofs") or {}).items()}}
                                for a in report.get("artifacts", [])]
         package = out / "model.aoti.pt2"
         if package.is_file() and torch.cuda.is_available():

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from exporter.numerics import program64
 from exporter.numerics.program64 import PROGRAM_BAR, detached, promote_graph, run_twin
 from exporter.numerics.promote import PromoteCasts
 from exporter.numerics.tolerance import POWER, detectable_ratio, sampling_factor, widened
@@ -75,3 +76,43 @@ def test_the_stated_power_is_the_rate_at_which_the_rule_fails_that_ratio(k, n):
 
     assert abs(fail_rate(ratio) - POWER) < 0.02
     assert fail_rate(1.0) < 0.01
+
+
+class HeadsViewed(torch.nn.Module):
+    """Attention as transformers writes it: SDPA, then the heads transposed back and *viewed* as one row, which
+    only the fused kernels' output layout allows without a copy."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(16, 48)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 4, 4).permute(2, 0, 3, 1, 4)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return out.transpose(1, 2).view(b, s, 16)
+
+
+def test_the_twin_runs_where_float64_attention_lays_its_output_out_otherwise(monkeypatch):
+    """On CUDA a bfloat16 program is traced with flash attention, whose output, its heads transposed back, views
+    as one row; in float64 SDPA takes the math kernel, whose output does not (GPT-2 and Llama on an H100: the
+    program proof was "not run"). The twin reshapes where the traced graph viewed; here the math kernel is
+    forced on the CPU, where float64 would otherwise take the CPU's flash kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    model = HeadsViewed()
+    tensors = dict(model.state_dict())
+    x = torch.randn(2, 8, 16)
+    program = torch.export.export(model.to(torch.bfloat16), (x.to(torch.bfloat16),))
+    assert any(n.target == torch.ops.aten.view.default for n in program.graph.nodes)
+    reference_model = HeadsViewed()
+    reference_model.load_state_dict(tensors)
+    with torch.no_grad():
+        reference = [[reference_model.double()(x.double())]]
+    with sdpa_kernel(SDPBackend.MATH):
+        proof, _ = run_twin(detached(program), tensors, "cpu", lambda m, a: [m(*a)], [[x]], reference, ("out",))
+        assert proof.passed and proof.worst < 1e-13, proof
+        monkeypatch.setattr(program64, "relax_views", lambda graph: 0)  # the graph's views as traced
+        with pytest.raises(RuntimeError, match="view size"):
+            run_twin(detached(program), tensors, "cpu", lambda m, a: [m(*a)], [[x]], reference, ("out",))

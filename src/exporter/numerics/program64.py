@@ -113,6 +113,20 @@ def promote_graph(graph: torch.fx.Graph) -> int:
     return changed
 
 
+def relax_views(graph: torch.fx.Graph) -> int:
+    """Every ``view`` becomes ``reshape`` (in place); returns how many. The graph was traced with the low-precision
+    kernels' output layouts: on CUDA, flash attention lays its output out so that the heads, transposed back, view
+    as one row. In float64 SDPA takes the math kernel, whose output is laid out otherwise, and that view needs a
+    copy. ``reshape`` is the same view wherever a view is possible and a copy of the same values elsewhere."""
+    changed = 0
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in (torch.ops.aten.view.default,
+                                                           torch.ops.aten._unsafe_view.default):
+            node.target = torch.ops.aten.reshape.default
+            changed += 1
+    return changed
+
+
 class Sources:
     """Where each constant of an artifact comes from in the checkpoint: its own name (a prefix allowed), else
     exact content (equal after the cast, possibly transposed), else the nearest tensor of its shape (what the
@@ -248,6 +262,7 @@ def run_twin(program: Any, tensors: dict[str, torch.Tensor], device: str,
     for module in list(program.graph_module.modules()):  # and every subgraph (autocast and grad regions)
         if isinstance(module, torch.fx.GraphModule):
             promote_graph(module.graph)
+            relax_views(module.graph)
             module.recompile()
     proof = twin_tensors(program, tensors, device)
     module = Twin(program)
