@@ -115,9 +115,10 @@ def promote_graph(graph: torch.fx.Graph) -> int:
 
 def relax_views(graph: torch.fx.Graph) -> int:
     """Every ``view`` becomes ``reshape`` (in place); returns how many. The graph was traced with the low-precision
-    kernels' output layouts: on CUDA, flash attention lays its output out so that the heads, transposed back, view
-    as one row. In float64 SDPA takes the math kernel, whose output is laid out otherwise, and that view needs a
-    copy. ``reshape`` is the same view wherever a view is possible and a copy of the same values elsewhere."""
+    kernels' output layouts: on CUDA, flash attention's output with its heads transposed back is contiguous, so a
+    model's ``.contiguous()`` left no copy in the graph and its ``reshape`` was traced as a view. In float64 SDPA
+    takes the math kernel, whose output is laid out otherwise, and that view needs a copy. ``reshape`` is the same
+    view wherever a view is possible and a copy of the same values elsewhere."""
     changed = 0
     for node in graph.nodes:
         if node.op == "call_function" and node.target in (torch.ops.aten.view.default,
