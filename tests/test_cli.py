@@ -62,7 +62,7 @@ def test_the_groups_help_lists_every_exit_code_and_generate_lists_its_own():
 
 def test_the_recorded_command_always_names_the_recipe():
     """run.command in report.json: the recipe is recorded even when it was the default (defaults can change)."""
-    from exporter.cli import typed_command
+    from exporter.commandline import typed_command
 
     ctx = cli.commands["convert"].make_context("convert", ["model.safetensors", "-t", "aoti"])
     assert typed_command(ctx) == ["exporter", "convert", "model.safetensors", "--recipe", "cpu-fp32",
@@ -177,7 +177,7 @@ def test_an_option_given_twice_is_refused_only_where_the_two_differ():
     lets a repeat of the same value, and the repeatable options, through."""
     import click
 
-    from exporter.cli import repeated_options
+    from exporter.commandline import repeated_options
 
     command = cli.commands["convert"]
     ctx = click.Context(command)
@@ -241,7 +241,7 @@ def test_report_md_is_drawn_on_a_terminal_and_left_as_markdown_when_piped(capsys
 
     from rich.console import Console
 
-    from exporter.cli import show_markdown
+    from exporter.commandline import show_markdown
 
     text = "# exporter report\n\n| variant | median ms |\n| --- | --- |\n| onnx | 0.62 |\n"
     screen = io.StringIO()

@@ -16,8 +16,8 @@ import pytest
 
 import exporter
 from exporter.errors import UsageError
+from exporter.outdir.verification import EXIT_INTEGRITY, verify
 from exporter.recipe import load_recipe
-from exporter.verification import EXIT_INTEGRITY, verify
 
 pytestmark = pytest.mark.slow
 

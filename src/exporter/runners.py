@@ -109,11 +109,7 @@ def _describe_exit(code: int | None) -> str:
     if code is None:
         return "stopped answering"
     if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"crashed with {name}"
+        return f"crashed with {({s.value: s.name for s in signal.Signals}).get(-code, f'signal {-code}')}"
     return f"exited with code {code}"
 
 

@@ -110,7 +110,7 @@ TABLE = """| variant | status | worst rel. L2 | median ms | p90 ms | p99 ms | no
 def test_a_narrow_terminal_leaves_columns_out_whole_and_never_cuts_the_main_figures(width):
     from rich.console import Console
 
-    from exporter.cli import show_markdown
+    from exporter.commandline import show_markdown
 
     console = Console(width=width, force_terminal=True, record=True, highlight=False, color_system=None)
     show_markdown(TABLE, console=console)

@@ -9,26 +9,26 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from .. import junit as junit_mod
 from ..errors import EXIT_SIGINT, EXIT_SIGTERM, OutputError, UsageError, worst_code
-from ..outdir import public_path
+from ..outdir import lock_file, public_path
+from ..results import RunResult
 from . import summary as summary_mod
 from .cell import NOT_RUN, SKIPPED, Hashes, finished
 from .engines import Engine, LocalEngine, open_engine, visible_gpus
 from .plan import Cell, Plan, load_plan
 
 
-@dataclass
-class BatchResult:
-    out: Path
-    summary: dict[str, Any]
-    exit_code: int
-    problems: list[str] = field(default_factory=list)
+class BatchResult(RunResult):
+    """What ``batch`` returns: ``RunResult`` with batch.json's content as its report (``summary``)."""
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        return self.report
 
     @property
     def passed(self) -> bool:
@@ -59,16 +59,11 @@ def batch_lock(root: Path) -> Iterator[None]:
     state = root / ".batch"
     try:
         state.mkdir(parents=True, exist_ok=True)
-        fd = os.open(state / "lock", os.O_CREAT | os.O_RDWR, 0o644)
+        fd = lock_file(state / "lock", OutputError(f"the batch folder {root} is being written by another exporter "
+                                                   "batch", "wait for it to finish, or pass another --out"))
     except OSError as exc:
         raise OutputError(f"cannot write the batch folder {root}: {exc.strerror}",
                           "pass a writable --out folder") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise OutputError(f"the batch folder {root} is being written by another exporter batch",
-                          "wait for it to finish, or pass another --out") from None
     try:
         yield
     finally:

@@ -23,7 +23,7 @@ from ..targets.aoti_loader import capture
 from .driver import Prompt, Steps
 
 
-def _timed(fn: Callable[[], Any], device: str, warmup: int, rounds: int, per: int = 1) -> dict[str, Any]:
+def timed(fn: Callable[[], Any], device: str, warmup: int, rounds: int, per: int = 1) -> dict[str, Any]:
     """``rounds`` timed calls of ``fn`` after ``warmup`` (:func:`exporter.measure.bench.repeat`), per step of
     ``per`` steps a call."""
     times = repeat(fn, rounds, device, warmup)
@@ -62,6 +62,32 @@ def copy_bandwidth(device: str, megabytes: int = 1024) -> float | None:
     return 2 * src.numel() / (min(times) / 1e3)
 
 
+def time_decode(out: dict[str, Any], decode_all: Callable[[Callable[[], Any]], None], eager_step: Callable[[], Any],
+                fresh: Callable[[], Any], call: Callable[[Any], Any], device: str, rounds: int,
+                graph: bool) -> dict[str, Any]:
+    """The decode steps of ``out`` (its ``tokens``) timed as they run (``decode_all(eager_step)``), then, on CUDA and
+    where ``graph`` asks, replayed from a CUDA graph of ``call`` on a ``fresh()`` decode step (a step that cannot be
+    captured is timed without, and the reason kept); the best of the two per token, and tokens/s."""
+    tokens, batch = out["tokens"], out["batch"]
+    out["decode"] = timed(lambda: decode_all(eager_step), device, 1, rounds, per=tokens)
+    out["decode"]["cuda_graph"] = False
+    if graph and device.startswith("cuda"):
+        try:
+            graphed = fresh()
+            cuda_graph = capture(lambda: call(graphed))
+            replayed = timed(lambda: decode_all(cuda_graph.replay), device, 1, rounds, per=tokens)
+            out["decode_graph"] = {**replayed, "cuda_graph": True}
+        except Exception as exc:  # timed without the graph; the reason is reported
+            out["decode_graph"] = {"cuda_graph": False, "error": describe(exc)}
+            torch.cuda.synchronize()
+    best = out["decode"]["median_ms"]
+    if out.get("decode_graph", {}).get("cuda_graph"):
+        best = min(best, out["decode_graph"]["median_ms"])
+    out["decode_best_ms"] = best
+    out["tokens_per_s"] = batch * 1e3 / best
+    return out
+
+
 def time_steps(steps: Steps, prompt: Prompt, tokens: int, warmup: int, rounds: int, graph: bool) -> dict[str, Any]:
     """Prefill over ``prompt`` and ``tokens`` decode steps after it, each timed ``rounds`` times."""
     device, batch = steps.device, prompt.input_ids.shape[0]
@@ -72,7 +98,7 @@ def time_steps(steps: Steps, prompt: Prompt, tokens: int, warmup: int, rounds: i
     tokens = max(1, min(tokens, steps.cache_length - prompt.length))
     out: dict[str, Any] = {"batch": batch, "prompt": prompt.length, "tokens": tokens}
     with torch.inference_mode():
-        out["prefill"] = _timed(lambda: steps.prefill(ids, padding, positions, kv), device, warmup, rounds)
+        out["prefill"] = timed(lambda: steps.prefill(ids, padding, positions, kv), device, warmup, rounds)
         token = torch.zeros(batch, 1, dtype=torch.long, device=device)
         where = torch.tensor([prompt.length], device=device)
 
@@ -83,24 +109,9 @@ def time_steps(steps: Steps, prompt: Prompt, tokens: int, warmup: int, rounds: i
 
         decode = steps.decode_for(batch)
         out["decode_program"] = "batch 1" if decode is not steps.decode else "dynamic batch"
-        eager_step = lambda: decode(token, padding, where, kv)  # noqa: E731
-        out["decode"] = _timed(lambda: decode_all(eager_step), device, 1, rounds, per=tokens)
-        out["decode"]["cuda_graph"] = False
-        if graph and device.startswith("cuda"):
-            try:
-                graphed = steps.fresh_for(batch)
-                cuda_graph = capture(lambda: graphed(token, padding, where, kv))
-                replayed = _timed(lambda: decode_all(cuda_graph.replay), device, 1, rounds, per=tokens)
-                out["decode_graph"] = {**replayed, "cuda_graph": True}
-            except Exception as exc:  # timed without the graph; the reason is reported
-                out["decode_graph"] = {"cuda_graph": False, "error": describe(exc)}
-                torch.cuda.synchronize()
-    best = out["decode"]["median_ms"]
-    if out.get("decode_graph", {}).get("cuda_graph"):
-        best = min(best, out["decode_graph"]["median_ms"])
-    out["decode_best_ms"] = best
-    out["tokens_per_s"] = batch * 1e3 / best
-    return out
+        return time_decode(out, decode_all, lambda: decode(token, padding, where, kv),
+                           lambda: steps.fresh_for(batch), lambda step: step(token, padding, where, kv), device,
+                           rounds, graph)
 
 
 def time_eager_generate(model: nn.Module, prompt: Prompt, tokens: int, device: str, rounds: int,

@@ -88,12 +88,23 @@ def transformers_cache(kv: list[torch.Tensor], positions: torch.Tensor) -> Any:
     """A transformers ``Cache`` whose layers are the caller's tensors (transformers' own ``StaticLayer``,
     with ``update`` writing at the step's positions), so the library's code paths see the cache type they
     know: ``is_compileable``, the mask helpers and ``get_seq_length`` behave as for a ``StaticCache``."""
-    from transformers.cache_utils import Cache, StaticLayer  # noqa: PLC0415 - transformers is optional
+    from transformers.cache_utils import Cache  # noqa: PLC0415 - transformers is optional
+
+    Slot = slot_class(positions)
+    return Cache(layers=[Slot(kv[i], kv[i + 1]) for i in range(0, len(kv), 2)])
+
+
+def slot_class(positions: torch.Tensor) -> type:
+    """transformers' ``StaticLayer`` over a caller's key and value tensors: a self-attention layer writes the step's
+    keys and values at ``positions``; a cross-attention layer (``cross``) is written whole by the prefill and then
+    only read, and its length is the encoder's, known from the shape."""
+    from transformers.cache_utils import StaticLayer  # noqa: PLC0415 - transformers is optional
 
     class Slot(StaticLayer):
-        def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, cross: bool = False):
             super().__init__(max_cache_len=keys.shape[2])
-            self.keys, self.values = keys, values
+            self.keys, self.values, self.cross = keys, values, cross
+            self.encoder_length = keys.shape[2]
             self.device, self.dtype = keys.device, keys.dtype
             self.batch_size, self.num_heads = keys.shape[0], keys.shape[1]
             self.k_head_dim, self.v_head_dim = keys.shape[3], values.shape[3]
@@ -101,14 +112,18 @@ def transformers_cache(kv: list[torch.Tensor], positions: torch.Tensor) -> Any:
             self.is_initialized = True
 
         def update(self, key_states, value_states, *args, **kwargs):
-            self.keys.index_copy_(2, positions, key_states.to(self.keys.dtype))
-            self.values.index_copy_(2, positions, value_states.to(self.values.dtype))
+            if self.cross:
+                self.keys.copy_(key_states.to(self.keys.dtype))
+                self.values.copy_(value_states.to(self.values.dtype))
+            else:
+                self.keys.index_copy_(2, positions, key_states.to(self.keys.dtype))
+                self.values.index_copy_(2, positions, value_states.to(self.values.dtype))
             return self.keys, self.values
 
         def get_seq_length(self) -> Any:
-            return positions[0]
+            return self.encoder_length if self.cross else positions[0]
 
-    return Cache(layers=[Slot(kv[i], kv[i + 1]) for i in range(0, len(kv), 2)])
+    return Slot
 
 
 def step_mask(padding_mask: torch.Tensor, cache_position: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

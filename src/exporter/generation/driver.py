@@ -87,24 +87,36 @@ def generate(steps: Steps, prompt: Prompt, new_tokens: int, forced: torch.Tensor
     padding = prompt.padding(steps.cache_length).to(device)
     kv = steps.layout.allocate(batch, steps.cache_length, steps.dtype, device)
     decode = steps.decode_for(batch)
-    logits: list[torch.Tensor] = []
-    tokens: list[torch.Tensor] = []
     with torch.inference_mode():
         if prompt.length > 1:
             out = steps.prefill(ids, padding, torch.arange(prompt.length, device=device), kv)
         else:
             out = decode(ids, padding, torch.zeros(1, dtype=torch.long, device=device), kv)
-        for step in range(new_tokens):
-            pick = out.argmax(-1)
-            tokens.append(pick.cpu())
-            if keep_logits:
-                logits.append(out.float().cpu() if out.dtype != torch.float64 else out.cpu())
-            if step == new_tokens - 1:
-                break
-            feed = forced[:, step].to(device) if forced is not None else pick
-            position = torch.tensor([prompt.length + step], device=device)
-            out = decode(feed.reshape(batch, 1).contiguous(), padding, position, kv)
-    return torch.stack(tokens, dim=1), logits
+        picks, logits = greedy(out, lambda feed, step: decode(feed, padding, torch.tensor([prompt.length + step],
+                                                                                           device=device), kv),
+                               new_tokens, forced, keep_logits, device)
+    return torch.stack(picks, dim=1), logits
+
+
+def greedy(out: torch.Tensor, decode: Callable[[torch.Tensor, int], torch.Tensor], new_tokens: int,
+           forced: torch.Tensor | None, keep_logits: bool, device: str
+           ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Greedy tokens, each ``[B]`` on the CPU, from the first step's logits ``out`` (``[B, vocab]``): each pick, or with
+    ``forced`` the reference's token (teacher forcing), is fed as ``[B, 1]`` to ``decode(feed, step)`` for the next
+    step's logits; and each step's logits on the CPU, float32 or wider (``keep_logits``)."""
+    tokens: list[torch.Tensor] = []
+    logits: list[torch.Tensor] = []
+    batch = out.shape[0]
+    for step in range(new_tokens):
+        pick = out.argmax(-1)
+        tokens.append(pick.cpu())
+        if keep_logits:
+            logits.append(out.float().cpu() if out.dtype != torch.float64 else out.cpu())
+        if step == new_tokens - 1:
+            break
+        feed = forced[:, step].to(device) if forced is not None else pick
+        out = decode(feed.reshape(batch, 1).contiguous(), step)
+    return tokens, logits
 
 
 def load_steps(target: str, folder: Path, layout: CacheLayout, cache_length: int, dtype: torch.dtype,

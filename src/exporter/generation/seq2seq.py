@@ -32,7 +32,8 @@ import torch
 import torch.nn as nn
 
 from ..errors import ArchitectureError, describe
-from .cache import CacheLayout, cache_argument, logits_of, step_mask
+from .cache import CacheLayout, cache_argument, logits_of, slot_class, step_mask
+from .driver import greedy
 
 SPEECH = "automatic-speech-recognition"
 TEXT = "text2text-generation"
@@ -63,33 +64,11 @@ def encoder_decoder_cache(kv: list[torch.Tensor], positions: torch.Tensor, first
     """transformers' ``EncoderDecoderCache`` over the caller's tensors: the self-attention half written at
     ``positions``, the cross-attention half written whole (prefill) or only read (``first`` False: every layer
     marked updated, so the attention takes its keys and values from the cache)."""
-    from transformers.cache_utils import Cache, EncoderDecoderCache, StaticLayer  # noqa: PLC0415
+    from transformers.cache_utils import Cache, EncoderDecoderCache  # noqa: PLC0415
 
     layers = len(kv) // 4
 
-    class Slot(StaticLayer):
-        def __init__(self, keys: torch.Tensor, values: torch.Tensor, cross: bool):
-            super().__init__(max_cache_len=keys.shape[2])
-            self.keys, self.values, self.cross = keys, values, cross
-            self.encoder_length = keys.shape[2]
-            self.device, self.dtype = keys.device, keys.dtype
-            self.batch_size, self.num_heads = keys.shape[0], keys.shape[1]
-            self.k_head_dim, self.v_head_dim = keys.shape[3], values.shape[3]
-            self.cumulative_length = positions[0]
-            self.is_initialized = True
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            if self.cross:
-                self.keys.copy_(key_states.to(self.keys.dtype))
-                self.values.copy_(value_states.to(self.values.dtype))
-            else:
-                self.keys.index_copy_(2, positions, key_states.to(self.keys.dtype))
-                self.values.index_copy_(2, positions, value_states.to(self.values.dtype))
-            return self.keys, self.values
-
-        def get_seq_length(self) -> Any:  # the cross half: the encoder's length, known from the shape
-            return self.encoder_length if self.cross else positions[0]
-
+    Slot = slot_class(positions)
     own = Cache(layers=[Slot(kv[2 * i], kv[2 * i + 1], False) for i in range(layers)])
     cross = Cache(layers=[Slot(kv[2 * (layers + i)], kv[2 * (layers + i) + 1], True) for i in range(layers)])
     cache = EncoderDecoderCache(own, cross)
@@ -319,21 +298,12 @@ def generate(steps: Seq2SeqSteps, source: Source, new_tokens: int, forced: torch
     mask = source.encoder_mask(layout).to(device)
     kv = layout.allocate(batch, steps.cache_length, int(mask.shape[1]), steps.dtype, device)
     feed = torch.full((batch, 1), layout.start_token, dtype=torch.long, device=device)
-    tokens: list[torch.Tensor] = []
-    logits: list[torch.Tensor] = []
     with torch.inference_mode():
         out = steps.prefill(values.contiguous(), mask, feed, torch.zeros(1, dtype=torch.long, device=device), kv)
-        for step in range(new_tokens):
-            pick = out.argmax(-1)
-            tokens.append(pick.cpu())
-            if keep_logits:
-                logits.append(out.float().cpu() if out.dtype != torch.float64 else out.cpu())
-            if step == new_tokens - 1:
-                break
-            chosen = forced[:, step].to(device) if forced is not None else pick
-            out = steps.decode(mask, chosen.reshape(batch, 1).contiguous(), torch.tensor([step + 1], device=device),
-                               kv)
-    return torch.stack(tokens, dim=1), logits
+        picks, logits = greedy(out, lambda chosen, step: steps.decode(mask, chosen, torch.tensor([step + 1],
+                                                                                                 device=device), kv),
+                               new_tokens, forced, keep_logits, device)
+    return torch.stack(picks, dim=1), logits
 
 
 # --------------------------------------------------------------------------- the reference, without any cache

@@ -18,9 +18,9 @@ import torch
 
 from ..errors import describe
 from ..measure.bench import Timing, repeat
-from ..targets.aoti_loader import capture
 from ..targets.context import DecoderPrograms
 from ..targets.exported_program import decomposition_table
+from .bench import time_decode, timed
 from .seq2seq import Seq2SeqDecode, Seq2SeqLayout, Seq2SeqPrefill, Seq2SeqSteps, Source
 
 DEFAULT_MAX_SOURCE = 1024  # the longest text source the programs take where the model sets no limit
@@ -157,10 +157,6 @@ def export_seq2seq(model: torch.nn.Module, layout: Seq2SeqLayout, batch: int, so
     return programs
 
 
-def _timed(fn: Callable[[], Any], device: str, warmup: int, rounds: int, per: int = 1) -> dict[str, Any]:
-    return Timing.of([t / per for t in repeat(fn, rounds, device, warmup)]).brief()
-
-
 def time_seq2seq(steps: Seq2SeqSteps, source: Source, tokens: int, warmup: int, rounds: int,
                  graph: bool) -> dict[str, Any]:
     """The prefill (encoder and first step) over ``source`` and ``tokens`` decode steps after it."""
@@ -173,7 +169,7 @@ def time_seq2seq(steps: Seq2SeqSteps, source: Source, tokens: int, warmup: int, 
     tokens = max(1, min(tokens, steps.cache_length - 1))
     out: dict[str, Any] = {"batch": batch, "prompt": source.length, "tokens": tokens}
     with torch.inference_mode():
-        out["prefill"] = _timed(lambda: steps.prefill(values, mask, token, torch.zeros(1, dtype=torch.long,
+        out["prefill"] = timed(lambda: steps.prefill(values, mask, token, torch.zeros(1, dtype=torch.long,
                                                                                        device=device), kv),
                                 device, warmup, rounds)
         where = torch.ones(1, dtype=torch.long, device=device)
@@ -183,24 +179,9 @@ def time_seq2seq(steps: Seq2SeqSteps, source: Source, tokens: int, warmup: int, 
                 where.fill_(1 + t)
                 step()
 
-        out["decode"] = _timed(lambda: decode_all(lambda: steps.decode(mask, token, where, kv)), device, 1, rounds,
-                               per=tokens)
-        out["decode"]["cuda_graph"] = False
-        if graph and device.startswith("cuda"):
-            try:
-                graphed = steps.fresh_decode() if steps.fresh_decode is not None else steps.decode
-                cuda_graph = capture(lambda: graphed(mask, token, where, kv))
-                out["decode_graph"] = {**_timed(lambda: decode_all(cuda_graph.replay), device, 1, rounds,
-                                                per=tokens), "cuda_graph": True}
-            except Exception as exc:  # timed without the graph; the reason is reported
-                out["decode_graph"] = {"cuda_graph": False, "error": describe(exc)}
-                torch.cuda.synchronize()
-    best = out["decode"]["median_ms"]
-    if out.get("decode_graph", {}).get("cuda_graph"):
-        best = min(best, out["decode_graph"]["median_ms"])
-    out["decode_best_ms"] = best
-    out["tokens_per_s"] = batch * 1e3 / best
-    return out
+        return time_decode(out, decode_all, lambda: steps.decode(mask, token, where, kv),
+                           lambda: steps.fresh_decode() if steps.fresh_decode is not None else steps.decode,
+                           lambda step: step(mask, token, where, kv), device, rounds, graph)
 
 
 def time_eager_generate(model: torch.nn.Module, source: Source, layout: Seq2SeqLayout, tokens: int, device: str,

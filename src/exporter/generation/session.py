@@ -91,31 +91,37 @@ def check_setup(folder: Path) -> None:
 
 
 def run(request: dict[str, Any]) -> dict[str, Any]:
+    """Load the target's programs, judge them step by step against the stored float64 generation (teacher-forced,
+    then free-running; a decoder's rows also alone at batch 1), then time them where the request asks."""
     folder = Path(request["folder"])
     setup, stored = read_setup(folder)
-    if setup.get("task") in SEQ2SEQ_TASKS:
-        return run_seq2seq(request, folder, setup, stored)
-    device, dtype = setup["device"], torch_dtype(setup["dtype"])
-    layout = CacheLayout.from_dict(setup["layout"])
+    seq2seq, device = setup.get("task") in SEQ2SEQ_TASKS, setup["device"]
     result: dict[str, Any] = {"target": request["target"]}
+    steps: Any
     with backend_context(setup["attention_backend"], device):
         t0 = time.perf_counter()
-        steps = load_steps(request["target"], folder, layout, setup["cache_length"], dtype, device)
+        if seq2seq:
+            steps = seq2seq_steps(request["target"], folder, setup)
+        else:
+            steps = load_steps(request["target"], folder, CacheLayout.from_dict(setup["layout"]),
+                               setup["cache_length"], torch_dtype(setup["dtype"]), device)
         synchronize(device)
         result["load_s"] = time.perf_counter() - t0
-        prompt = Prompt(stored["prompt_ids"], stored["prompt_mask"])
+        given: Any = Source(stored["source_values"], stored["source_mask"]) if seq2seq else \
+            Prompt(stored["prompt_ids"], stored["prompt_mask"])
+        make: Any = seq2seq_generate if seq2seq else generate
         ref_tokens, ref_logits = stored["tokens"], stored["logits"]
-        steps_to_judge = int(request.get("steps") or ref_tokens.shape[1])
-        forced_tokens, logits = generate(steps, prompt, steps_to_judge, forced=ref_tokens[:, :steps_to_judge])
-        free, _ = generate(steps, prompt, steps_to_judge, keep_logits=False)
+        count = int(request.get("steps") or ref_tokens.shape[1])
+        _, logits = make(steps, given, count, forced=ref_tokens[:, :count])
+        free, _ = make(steps, given, count, keep_logits=False)
         numerics = setup["numerics"]
-        result["numerics"] = judge_steps(request["target"], ref_logits[:steps_to_judge], ref_tokens[:, :steps_to_judge],
-                                         logits, free, numerics["bars"], numerics["k"], numerics["atol"])
-        alone = judge_rows_alone(request["target"], steps, prompt, ref_tokens, ref_logits, steps_to_judge, numerics)
-        merge_batch_1(result["numerics"], alone)
+        result["numerics"] = judge_steps(request["target"], ref_logits[:count], ref_tokens[:, :count], logits, free,
+                                         numerics["bars"], numerics["k"], numerics["atol"])
+        if not seq2seq:
+            merge_batch_1(result["numerics"],
+                          judge_rows_alone(request["target"], steps, given, ref_tokens, ref_logits, count, numerics))
         if request.get("time"):
-            timing = setup["timing"]
-            result["bench"] = time_target(steps, prompt, timing)
+            result["bench"] = (time_seq2seq_target if seq2seq else time_target)(steps, given, setup["timing"])
     return finite(result)
 
 
@@ -153,29 +159,6 @@ def seq2seq_steps(target: str, folder: Path, setup: dict[str, Any]) -> Seq2SeqSt
     loaded = targets.get(target).load_decoder(folder)
     return Seq2SeqSteps(loaded.prefill, loaded.decode, Seq2SeqLayout.from_dict(setup["layout"]), setup["cache_length"],
                         torch_dtype(setup["dtype"]), setup["device"], loaded.fresh_decode)
-
-
-def run_seq2seq(request: dict[str, Any], folder: Path, setup: dict[str, Any],
-                stored: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """``run`` for an encoder-decoder: the prefill reads the stored source, each decode step the reference's token
-    (teacher-forced), then a free-running greedy generation, then the timings."""
-    result: dict[str, Any] = {"target": request["target"]}
-    with backend_context(setup["attention_backend"], setup["device"]):
-        t0 = time.perf_counter()
-        steps = seq2seq_steps(request["target"], folder, setup)
-        synchronize(setup["device"])
-        result["load_s"] = time.perf_counter() - t0
-        source = Source(stored["source_values"], stored["source_mask"])
-        ref_tokens, ref_logits = stored["tokens"], stored["logits"]
-        count = int(request.get("steps") or ref_tokens.shape[1])
-        _, logits = seq2seq_generate(steps, source, count, forced=ref_tokens[:, :count])
-        free, _ = seq2seq_generate(steps, source, count, keep_logits=False)
-        numerics = setup["numerics"]
-        result["numerics"] = judge_steps(request["target"], ref_logits[:count], ref_tokens[:, :count], logits, free,
-                                         numerics["bars"], numerics["k"], numerics["atol"])
-        if request.get("time"):
-            result["bench"] = time_seq2seq_target(steps, source, setup["timing"])
-    return finite(result)
 
 
 def time_seq2seq_target(steps: Seq2SeqSteps, source: Source, timing: dict[str, Any]) -> dict[str, Any]:

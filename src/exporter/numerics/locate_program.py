@@ -9,6 +9,7 @@ against the eager model's own error at that module. See docs/numerics.md.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -63,19 +64,30 @@ def in_program(program, calls: list[Call], original: IOModule, sample: list[torc
     ``keywords``: the program takes its inputs after the first ``positional`` by these names. The bar of
     each module is the eager model's own error there.
     """
-    unflat = torch.export.unflatten(program)
-    wanted = {prefix + c.path for c in calls}
-    graph: dict[tuple[str, int], tuple[list, list]] = {}
     args = [(t.to(dtype) if t.is_floating_point() else t).to(device) for t in sample]
-    with torch.inference_mode():
-        with hooks_on(unflat, wanted, None, recorder(graph, len(prefix))), backend_context(backend, device):
-            if not keywords:  # convert's own program takes its inputs by name
-                keywords, positional = keyword_names(program.call_spec.in_spec), 0
-            if keywords:
-                unflat(*args[:positional], **dict(zip(keywords, args[positional:])))
-            else:
-                unflat(*args)
+    graph = record_modules(program, {prefix + c.path for c in calls}, args, prefix, keywords, positional,
+                           backend_context(backend, device))
     return first_divergent(calls, graph, baseline_store(original, calls, args, device, dtype, backend), k, atol)
+
+
+def record_modules(program, wanted: set[str], args: list[torch.Tensor], prefix: str,
+                   keywords: tuple[str, ...] | None, positional: int,
+                   context: contextlib.AbstractContextManager | None = None
+                   ) -> dict[tuple[str, int], tuple[list, list]]:
+    """Run ``program`` unflattened on ``args`` (inside ``context``), recording the inputs and output of every
+    submodule in ``wanted``, keyed by its path less ``prefix`` and its call's index. ``keywords``: the program
+    takes its inputs after the first ``positional`` by these names (convert's own program: all, by its names)."""
+    unflat = torch.export.unflatten(program)
+    graph: dict[tuple[str, int], tuple[list, list]] = {}
+    if not keywords:  # convert's own program takes its inputs by name
+        keywords, positional = keyword_names(program.call_spec.in_spec), 0
+    with torch.inference_mode(), hooks_on(unflat, wanted, None, recorder(graph, len(prefix))), \
+            context or contextlib.nullcontext():
+        if keywords:
+            unflat(*args[:positional], **dict(zip(keywords, args[positional:])))
+        else:
+            unflat(*args)
+    return graph
 
 
 def first_divergent(calls: list[Call], graph: dict, baseline: dict, k: float, atol) -> dict:

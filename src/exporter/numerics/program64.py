@@ -35,7 +35,6 @@ from typing import Any, Callable
 import torch
 
 from ..errors import describe
-from ..modelio import keyword_names
 from .promote import LOW, PromoteCasts
 from .weights import PAIRING, _named, _same, _suffixes
 
@@ -280,21 +279,12 @@ def locate_twin(program: Any, calls: list, sample: list[torch.Tensor], device: s
     """The first module whose output in the float64 twin (``program``, already made by :func:`run_twin`) misses
     :data:`PROGRAM_BAR` against the reference's own float64 module outputs (``calls``, from
     :func:`exporter.numerics.locate.record_reference`)."""
-    from .locate_program import first_divergent, recorder  # noqa: PLC0415
-    from .module_checks import floats, hooks_on  # noqa: PLC0415
+    from .locate_program import first_divergent, record_modules  # noqa: PLC0415
+    from .module_checks import floats  # noqa: PLC0415
 
     materialize(program)
-    unflat = torch.export.unflatten(program)
-    graph: dict[tuple[str, int], tuple[list, list]] = {}
     args = [(t.to(torch.float64) if t.is_floating_point() else t).to(device) for t in sample]
-    with torch.inference_mode(), hooks_on(unflat, {prefix + c.path for c in calls}, None,
-                                          recorder(graph, len(prefix))):
-        if not keywords:  # convert's own program takes its inputs by name
-            keywords, positional = keyword_names(program.call_spec.in_spec), 0
-        if keywords:
-            unflat(*args[:positional], **dict(zip(keywords, args[positional:])))
-        else:
-            unflat(*args)
+    graph = record_modules(program, {prefix + c.path for c in calls}, args, prefix, keywords, positional)
     reference = {(c.path, c.index): (floats((c.args, c.kwargs)), floats(c.output)) for c in calls}
 
     def floor(ref: torch.Tensor) -> float:

@@ -43,6 +43,18 @@ def verdict_section(rows: list[tuple[str, str, str | None]], allow_drift: bool, 
             "allow_drift": allow_drift, "warnings": list(warnings)}
 
 
+def head_sections(rows: list[tuple[str, str, str | None]], quantization, allow_drift: bool, warnings: list[str],
+                  task: str, checkpoint: Path, loaded, recipe) -> dict[str, Any]:
+    """What every report opens with: the verdict over each candidate's ``(name, status, error)`` and, for a
+    quantized run, the second question (what the quantization cost; the first is each candidate's), then the
+    model, the recipe and the quantization."""
+    if quantization is not None:
+        rows = [*rows, ("quantization", OK if quantization.cost.passed else NUMERICS_FAILED, quantization.cost.error())]
+    return {**verdict_section(rows, allow_drift, warnings, task=task), "model": model_section(checkpoint, loaded),
+            "recipe": recipe_section(recipe),
+            "quantization": quantization.to_dict() if quantization is not None else None}
+
+
 def checkpoint_dtypes(checkpoint) -> dict[str, int]:
     """How many tensors of each dtype a checkpoint holds."""
     dtypes: dict[str, int] = {}
@@ -114,14 +126,9 @@ def assemble(*, recipe, checkpoint, loaded, plan, signature, reference, audit, r
              quantization=None) -> dict[str, Any]:
     dynamic = {name: {str(axis): {"dim": d.name, "min": d.min, "max": d.max} for axis, d in axes.items()}
                for name, axes in plan.dynamic_axes().items()}
-    rows = [(r.name, r.status, r.error) for r in results]
-    if quantization is not None:  # the second question: what the quantization cost (the first is each candidate's)
-        rows.append(("quantization", OK if quantization.cost.passed else NUMERICS_FAILED, quantization.cost.error()))
     return {
-        **verdict_section(rows, allow_drift, warnings, task="forward"),
-        "model": model_section(checkpoint, loaded),
-        "recipe": recipe_section(recipe),
-        "quantization": quantization.to_dict() if quantization is not None else None,
+        **head_sections([(r.name, r.status, r.error) for r in results], quantization, allow_drift, warnings, "forward",
+                        checkpoint, loaded, recipe),
         "inputs": {
             "source": plan.source,
             "seed": plan.seed,

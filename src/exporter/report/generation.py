@@ -15,8 +15,7 @@ from typing import Any
 from ..measure.bench import NOISY  # the forward report's mark: a spread above a tenth of the median
 from ..numerics.tolerance import RULE
 from ..recipe import GENERATION_TASKS
-from ..results import NUMERICS_FAILED, OK
-from .assemble import model_section, recipe_section, run_section, verdict_section
+from .assemble import head_sections, run_section
 from .markdown import quantization_lines
 
 TASK = "text-generation"
@@ -35,14 +34,9 @@ def assemble_generation(*, recipe, checkpoint, loaded, audit, rewritten: dict[st
                         transformers: bool, task: str = TASK, quantization=None) -> dict[str, Any]:
     """The generation report's dict, from the rewritten model's and each target's entries and the task's
     ``generation`` section."""
-    rows = [(row["name"], row["status"], row["error"]) for row in [rewritten, *artifacts]]
-    if quantization is not None:  # the second question: what the quantization cost (the first is each row's)
-        rows.append(("quantization", OK if quantization.cost.passed else NUMERICS_FAILED, quantization.cost.error()))
     return {
-        **verdict_section(rows, allow_drift, warnings, task=task),
-        "model": model_section(checkpoint, loaded),
-        "recipe": recipe_section(recipe),
-        "quantization": quantization.to_dict() if quantization is not None else None,
+        **head_sections([(row["name"], row["status"], row["error"]) for row in [rewritten, *artifacts]], quantization,
+                        allow_drift, warnings, task, checkpoint, loaded, recipe),
         "generation": generation,
         "reference": {"device": recipe.runtime.device, "dtype": "float64", "model": (
                       "original (eager attention)" if quantization is None else

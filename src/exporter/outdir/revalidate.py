@@ -13,26 +13,26 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import load_model
-from .dtypes import torch_dtype
-from .environment import check_machine
-from .errors import EXIT_OK, CheckpointError, UsageError
-from .inputs import plan_inputs
-from .modelio import Signature
-from .numerics.grid import plan_grid
-from .numerics.reference import Reference
-from .numerics.validation import Validation
-from .outdir import sha256_file
-from .prepare import original_module
-from .progress import Progress
-from .quantize.transform import quantize_model
-from .quiet import quiet_libraries
-from .recipe import GENERATION_TASKS, recipe_from_dict
-from .results import FAILED, NUMERICS_FAILED, VariantResult, exit_code, problem_lines, ratio
-from .rewrite import rewrite_attention
-from .targets.program_file import load_program
-from .targets.spec import RunnerFailed
-from .verification import artifact_spec, device_problem, load_reference, out_folder, read_json, untrusted_entry
+from ..checkpoint import load_model
+from ..dtypes import torch_dtype
+from ..environment import check_machine
+from ..errors import EXIT_OK, CheckpointError, UsageError
+from ..inputs import plan_inputs
+from ..modelio import Signature
+from ..numerics.grid import plan_grid
+from ..numerics.reference import Reference
+from ..numerics.validation import Validation
+from ..prepare import original_module
+from ..progress import Progress
+from ..quantize.transform import quantize_model
+from ..quiet import quiet_libraries
+from ..recipe import GENERATION_TASKS, recipe_from_dict
+from ..results import FAILED, NUMERICS_FAILED, VariantResult, exit_code, problem_lines, ratio
+from ..rewrite import rewrite_attention
+from ..targets.program_file import load_program
+from ..targets.spec import RunnerFailed
+from . import sha256_file
+from .reading import artifact_spec, device_problem, load_reference, out_folder, read_json, untrusted_entry
 
 
 def _check_checkpoint(manifest: dict[str, Any], checkpoint: Path) -> None:

@@ -22,10 +22,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from . import interrupts
-from .dtypes import name_of, safetensors_code
-from .errors import OutputError
-from .supervisor import report
+from .. import interrupts
+from ..dtypes import name_of, safetensors_code
+from ..errors import OutputError
+from ..supervisor import report
 
 # the checkpoint's files that make an output folder a model folder, copied beside the artifacts, so tools that
 # read a folder (AutoTokenizer/AutoConfig.from_pretrained(OUT), Optimum's ORTModel, pipelines) find them
@@ -189,6 +189,21 @@ def checkpoint_guard(checkpoint: Path) -> tuple[Path, bool]:
     return path, path.is_dir()
 
 
+def lock_file(path: Path, busy: OutputError) -> int:
+    """An open descriptor of ``path`` (made if missing) holding its exclusive lock; ``busy`` is raised where another
+    process holds it, and an ``OSError`` opening or locking it propagates (nothing left open)."""
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise busy from None
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
 class OutputFolder:
     """Stage files for ``final``; ``publish()`` moves them into place; ``discard()`` removes them.
 
@@ -264,17 +279,9 @@ class OutputFolder:
         removed it is no longer the lock: take the one now at ``lock_path`` instead."""
         for _ in range(100):
             try:
-                fd = os.open(self.lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+                fd = lock_file(self.lock_path, OutputError(f"another exporter run is writing {self.final}",
+                                                           "wait for it to finish, or choose another --out"))
             except OSError as exc:
-                raise _os_problem(exc, self.lock_path) from None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                raise OutputError(f"another exporter run is writing {self.final}",
-                                  "wait for it to finish, or choose another --out") from None
-            except OSError as exc:
-                os.close(fd)
                 raise _os_problem(exc, self.lock_path) from None
             try:
                 held, there = os.fstat(fd), os.stat(self.lock_path)
