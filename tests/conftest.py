@@ -23,6 +23,27 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TINY = dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=1000)
 
 
+def shared_root(tmp_path_factory) -> Path:
+    """This test run's temporary folder that every pytest-xdist worker sees (a worker's own is inside it)."""
+    root = tmp_path_factory.getbasetemp()
+    return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_package_per_program(tmp_path_factory):
+    """AOTInductor packages are kept in one cache for the run (``EXPORTER_PACKAGE_CACHE``, as ``exporter batch``
+    keeps them for its cells): a program compiled by one test, with the same weights and options, is reused by
+    the next instead of compiled again. The key is everything a package is compiled from
+    (``targets/package_cache.py``), a planted defect changes the program, and a reused package is loaded and
+    judged like a new one. A test that sets the variable itself wins."""
+    if os.environ.get("EXPORTER_PACKAGE_CACHE"):
+        yield
+        return
+    os.environ["EXPORTER_PACKAGE_CACHE"] = str(shared_root(tmp_path_factory) / "aoti-packages")
+    yield
+    os.environ.pop("EXPORTER_PACKAGE_CACHE", None)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def every_report_validates(tmp_path_factory):
     """After the session: every report.json any test wrote validates against the shipped JSON Schema."""
@@ -234,15 +255,35 @@ def write_recipe(tmp_path):
     return write
 
 
+def built_once(tmp_path_factory, name: str, build):
+    """``build(folder)`` run once for the whole session, whichever worker asks first: under pytest-xdist the other
+    workers wait on a lock in the run's shared temporary folder and read the finished folder; ``build`` returns
+    whether it published there."""
+    import fcntl
+
+    folder = shared_root(tmp_path_factory) / "shared" / name
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / "report.json").is_file():
+            build(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def llama_generation(tiny_models, tmp_path_factory):
-    """A tiny Llama converted with --task text-generation and every generation target (one per session)."""
+    """A tiny Llama converted with --task text-generation and every generation target (once per test run, shared
+    by the workers): the folder and report of that ``exporter.convert``."""
     import exporter
+    from exporter.results import RunResult
 
-    out = tmp_path_factory.mktemp("generation") / "llama"
-    result = exporter.convert(tiny_models["llama"], "cpu-fp32", out, task="text-generation",
-                              targets=("exported_program", "aoti", "onnx"))
-    return result
+    def build(out: Path) -> None:
+        exporter.convert(tiny_models["llama"], "cpu-fp32", out, task="text-generation",
+                         targets=("exported_program", "aoti", "onnx"))
+
+    out = built_once(tmp_path_factory, "llama-generation", build)
+    report = json.loads((out / "report.json").read_text())
+    return RunResult(out, report, report["exit_code"], list(report["problems"]))
 
 
 @pytest.fixture(scope="session")

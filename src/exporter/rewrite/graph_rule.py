@@ -1,6 +1,7 @@
 """The graph rules' driver: trace the model, run each rule over the graph, check the result, audit every site.
 
-A rule file (``softmax_attention_graph``) holds its pattern, check and replacement; this module finds the
+A rule (``softmax_attention_graph``: its match in ``softmax_attention_match``, what a site is in
+``softmax_attention_sites``) holds its pattern, check and replacement; this module finds the
 candidate nodes, asks the rule to ``match`` each, ``replace``s what matched, records every site (rewritten,
 skipped with the reason, or already SDPA) in the audit, and runs the rewritten graph as a module
 (:mod:`exporter.rewrite.graph_capture`) only when its outputs match the original model's.
