@@ -152,8 +152,8 @@ def test_one_exit_code_rule_and_one_timing_loop():
     for path in PACKAGE.rglob("*.py"):
         text = path.read_text(encoding="utf-8")
         where = str(path.relative_to(PACKAGE))
-        if "EXIT_NUMERICS" in text and where not in ("errors.py", "results.py", "outdir/verification.py",
-                                                          "outdir/reading.py"):
+        if "EXIT_NUMERICS" in text and where not in ("errors.py", "results.py", "published/verification.py",
+                                                          "published/reading.py"):
             rule.append(where)
         if "Event(enable_timing" in text and where != "measure/bench.py":
             clocks.append(where)
@@ -218,7 +218,7 @@ def test_no_public_name_of_the_package_is_also_a_submodule_name():
 
     modules = {info.name for info in pkgutil.iter_modules(exporter.__path__)}
     assert not set(exporter.__all__) & modules
-    for name in ("outdir.verification", "outdir.revalidate", "api"):
+    for name in ("published.verification", "published.revalidate", "api"):
         importlib.import_module(f"exporter.{name}")
     for name in exporter.__all__:
         assert callable(getattr(exporter, name)), name

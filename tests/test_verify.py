@@ -16,7 +16,7 @@ import pytest
 
 import exporter
 from exporter.errors import UsageError
-from exporter.outdir.verification import EXIT_INTEGRITY, verify
+from exporter.published.verification import EXIT_INTEGRITY, verify
 from exporter.recipe import load_recipe
 
 pytestmark = pytest.mark.slow

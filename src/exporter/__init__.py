@@ -36,11 +36,11 @@ def __getattr__(name: str):  # keep `import exporter` light: torch loads on firs
 
         return batch
     if name == "verify":
-        from .outdir.verification import verify
+        from .published.verification import verify
 
         return verify
     if name == "validate_folder":
-        from .outdir.revalidate import validate_folder
+        from .published.revalidate import validate_folder
 
         return validate_folder
     if name == "load_recipe":

@@ -212,8 +212,8 @@ def verify(out_dir, junit, allow_native_code, allow_artifact_pickle, checkpoint,
     inputs and compare with the stored reference outputs. Needs no checkpoint; with --checkpoint the weights
     and program proofs are asked again. Runs no pickle, and no package another tool compiled, unless allowed
     (docs/check.md, threat model)."""
-    from .outdir.verification import summary
-    from .outdir.verification import verify as run_verify
+    from .published.verification import summary
+    from .published.verification import verify as run_verify
 
     result = run_verify(out_dir, junit=junit, allow_native_code=allow_native_code,
                         allow_artifact_pickle=allow_artifact_pickle, checkpoint=checkpoint)
@@ -402,7 +402,7 @@ def batch(plan, out, workers, scheduler, compile_cache, junit, quiet, as_json):
 def validate(out_dir, locate, targets, checkpoint, allow_pickle, quiet, as_json):
     """Validate the artifacts in OUT_DIR again from the checkpoint (baseline, samples, shape grid); with
     --locate, localise divergences. OUT_DIR is not modified."""
-    from .outdir.revalidate import validate_folder
+    from .published.revalidate import validate_folder
 
     result = validate_folder(out_dir, locate=locate, targets=tuple(targets), checkpoint=checkpoint,
                              allow_pickle=allow_pickle, progress=Progress(enabled=not quiet))

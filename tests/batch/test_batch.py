@@ -128,7 +128,7 @@ def cells_of(out: Path) -> dict[str, dict]:
 
 
 def test_a_plan_runs_every_cell_and_a_failing_one_does_not_stop_the_rest(local_run):
-    from exporter.outdir.verification import verify
+    from exporter.published.verification import verify
 
     done, out = local_run["done"], local_run["out"]
     assert done.returncode == 2, done.stderr[-2000:]  # the damaged checkpoint's usage error is the worst code
@@ -295,7 +295,7 @@ def test_a_plan_on_a_dask_cluster_runs_and_a_killed_worker_is_replaced(tiny_mode
     from distributed import LocalCluster
 
     from exporter.batch import batch
-    from exporter.outdir.verification import verify
+    from exporter.published.verification import verify
 
     plan = write_plan(tmp_path, tiny_models)
     out = tmp_path / "out"

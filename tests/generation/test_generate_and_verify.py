@@ -9,7 +9,7 @@ import pytest
 
 import exporter
 from exporter import verify  # the function: no module shadows it (tests/test_layout.py)
-from exporter.outdir.revalidate import validate_folder
+from exporter.published.revalidate import validate_folder
 
 
 def test_generate_prints_the_reference_tokens(llama_generation, generate_cli):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import exporter
-from exporter.outdir.verification import verify
+from exporter.published.verification import verify
 from exporter.recipe import load_recipe
 
 pytestmark = pytest.mark.slow
@@ -236,7 +236,7 @@ def test_fp8_generation_prefill_and_decode(tiny_models, tmp_path):
 def test_validate_rebuilds_the_quantized_model(fp8_run):
     """exporter validate re-judges the folder from the checkpoint: the model it rebuilds is quantized again, so the
     artifacts meet the quantized reference they were stored with."""
-    from exporter.outdir.revalidate import validate_folder
+    from exporter.published.revalidate import validate_folder
 
     result = validate_folder(fp8_run.out, targets=("exported_program",))
     assert result["exit_code"] == 0, result["problems"]

@@ -38,12 +38,12 @@ from ..errors import (
 )
 from ..junit import Case
 from ..numerics.compare import Accumulator, Source, read_stream
+from ..outdir import sha256_file
 from ..quantize.cost import cost_problems
 from ..recipe import GENERATION_TASKS
 from ..report import REPORT_SCHEMA_VERSION
 from ..results import OutputCheck
 from ..runners import RemoteRunner, RunnerFailed, run_session
-from . import sha256_file
 from .reading import (
     Check,
     artifact_spec,

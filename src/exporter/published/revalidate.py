@@ -22,6 +22,7 @@ from ..modelio import Signature
 from ..numerics.grid import plan_grid
 from ..numerics.reference import Reference
 from ..numerics.validation import Validation
+from ..outdir import sha256_file
 from ..prepare import original_module
 from ..progress import Progress
 from ..quantize.transform import quantize_model
@@ -31,7 +32,6 @@ from ..results import FAILED, NUMERICS_FAILED, VariantResult, exit_code, problem
 from ..rewrite import rewrite_attention
 from ..targets.program_file import load_program
 from ..targets.spec import RunnerFailed
-from . import sha256_file
 from .reading import artifact_spec, device_problem, load_reference, out_folder, read_json, untrusted_entry
 
 

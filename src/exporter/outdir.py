@@ -6,6 +6,11 @@ output folder is either complete or absent; an interrupted run leaves no
 manifest behind. A lock file beside the output folder makes a second run into
 the same folder fail at once instead of mixing two runs. An existing output
 folder is replaced only with ``overwrite``.
+
+Every file a run writes goes through :func:`write_atomic` (a temporary name, then a rename) or the tensor
+writers here; :func:`sha256_file` is the one hash of the manifest, ``verify`` and the caches; :func:`public_path`,
+:func:`public_command` and :func:`model_name` keep this machine's folders and its user's name out of what is
+published.
 """
 
 from __future__ import annotations
@@ -22,32 +27,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .. import interrupts
-from ..dtypes import name_of, safetensors_code
-from ..errors import OutputError
-from ..supervisor import report
-
-# the checkpoint's files that make an output folder a model folder, copied beside the artifacts, so tools that
-# read a folder (AutoTokenizer/AutoConfig.from_pretrained(OUT), Optimum's ORTModel, pipelines) find them
-MODEL_FOLDER_FILES = (
-    "config.json", "generation_config.json",
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "vocab.txt", "vocab.json", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
-    "source.spm", "target.spm", "chat_template.jinja", "chat_template.json",
-    "preprocessor_config.json", "processor_config.json", "normalizer.json",
-)
-
-
-def copy_model_files(root: Path, staging: Path) -> list[str]:
-    """Copy each of :data:`MODEL_FOLDER_FILES` that the checkpoint folder ``root`` holds into ``staging``; the
-    names copied."""
-    copied = []
-    for name in MODEL_FOLDER_FILES:
-        source = root / name
-        if source.is_file() and not (staging / name).exists():
-            shutil.copyfile(source, staging / name)
-            copied.append(name)
-    return copied
+from . import interrupts
+from .dtypes import name_of, safetensors_code
+from .errors import OutputError
+from .supervisor import report
 
 
 def sha256_file(path: Path, chunk: int = 8 * 1024 * 1024) -> str:
@@ -66,7 +49,7 @@ def file_entry(path: Path, root: Path) -> dict[str, Any]:
     return {"path": str(Path(path).relative_to(root)), "sha256": sha256_file(path), "bytes": Path(path).stat().st_size}
 
 
-def _umask() -> int:
+def umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
@@ -79,9 +62,9 @@ def write_atomic(path: Path, data: bytes | str) -> None:
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as exc:
-        raise _os_problem(exc, path) from None
+        raise os_problem(exc, path) from None
     try:
-        os.fchmod(fd, 0o666 & ~_umask())
+        os.fchmod(fd, 0o666 & ~umask())
         with os.fdopen(fd, "wb") as handle:
             handle.write(payload)
             handle.flush()
@@ -92,7 +75,7 @@ def write_atomic(path: Path, data: bytes | str) -> None:
             os.unlink(tmp)
         except OSError:
             pass
-        raise _os_problem(exc, path) from None
+        raise os_problem(exc, path) from None
 
 
 def write_json(path: Path, value: Any) -> None:
@@ -160,7 +143,8 @@ def disk_full(exc: BaseException) -> OSError | None:
     return None
 
 
-def _os_problem(exc: OSError, path: Path) -> OutputError:
+def os_problem(exc: OSError, path: Path) -> OutputError:
+    """An ``OSError`` writing ``path`` as the one-line problem a user can act on."""
     if exc.errno in DISK_FULL:
         return OutputError(f"the disk filled up while writing {path} ({exc.strerror})",
                            "free disk space or choose another --out")
@@ -169,8 +153,92 @@ def _os_problem(exc: OSError, path: Path) -> OutputError:
     return OutputError(f"cannot write {path}: {exc.strerror or exc}", "check the --out folder")
 
 
-def os_problem(exc: OSError, path: Path) -> OutputError:
-    return _os_problem(exc, path)
+def public_path(path: str | Path) -> str:
+    """A path as a published report may show it: relative to the working folder when inside it, else only
+    its name, so a report names no host's folders (nor the user whose home they are in)."""
+    text = str(path)
+    given = Path(text)
+    if not given.is_absolute() and ".." not in given.parts:
+        return text
+    try:
+        return str(given.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return given.name or text
+
+
+def path_from(folder: Path, target: str | Path) -> str:
+    """``target`` as a path relative to ``folder`` (an output folder pointing at its checkpoint), so that it
+    still resolves when both move together; only the name when they share no folder but the root, where a
+    relative path would spell out the whole tree (a home folder, a user name)."""
+    folder, target = Path(folder).resolve(), Path(target).resolve()
+    common = Path(os.path.commonpath([folder, target]))
+    relative = os.path.relpath(target, folder)
+    if common == Path(common.anchor) or _names_someone(Path(relative).parts):
+        return target.name
+    return relative
+
+
+def _names_someone(parts: tuple[str, ...]) -> bool:
+    """Whether a path's parts name this user or this host (a path across home folders would)."""
+    import getpass  # noqa: PLC0415 - only where a path is made public
+    import platform  # noqa: PLC0415
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = ""
+    return any(part in (user, platform.node()) for part in parts if part)
+
+
+def public_command(argv: list[str]) -> list[str]:
+    """The command line as typed, with every argument that is an absolute path or names an existing file or
+    folder made public (:func:`public_path`)."""
+    shown = []
+    for arg in argv:
+        option, eq, value = arg.partition("=") if arg.startswith("-") and "=" in arg else ("", "", arg)
+        if value and (os.path.isabs(value) or os.path.exists(value)):
+            value = public_path(value)
+        shown.append(f"{option}{eq}{value}")
+    return shown
+
+
+GENERIC_NAMES = {"model", "models", "checkpoint", "checkpoints", "weights", "snapshot", "final", "pytorch_model"}
+
+
+def model_name(path: Path) -> str:
+    """A folder name for the model: the file's stem, or its folder's name when the stem says nothing."""
+    path = Path(path).resolve()
+    folder = path if path.is_dir() else path.parent
+    name = path.name.split(".")[0] if path.is_file() else path.name
+    generic = name.lower() in GENERIC_NAMES or name.startswith("model-") or path.name.endswith(".index.json")
+    if path.is_file() and generic:
+        name = folder.name
+    if name.lower() in GENERIC_NAMES and folder.parent != folder:
+        name = (folder.parent if name == folder.name else folder).name
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "model"
+
+
+# the checkpoint's files that make an output folder a model folder, copied beside the artifacts, so tools that
+# read a folder (AutoTokenizer/AutoConfig.from_pretrained(OUT), Optimum's ORTModel, pipelines) find them
+MODEL_FOLDER_FILES = (
+    "config.json", "generation_config.json",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.txt", "vocab.json", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
+    "source.spm", "target.spm", "chat_template.jinja", "chat_template.json",
+    "preprocessor_config.json", "processor_config.json", "normalizer.json",
+)
+
+
+def copy_model_files(root: Path, staging: Path) -> list[str]:
+    """Copy each of :data:`MODEL_FOLDER_FILES` that the checkpoint folder ``root`` holds into ``staging``; the
+    names copied."""
+    copied = []
+    for name in MODEL_FOLDER_FILES:
+        source = root / name
+        if source.is_file() and not (staging / name).exists():
+            shutil.copyfile(source, staging / name)
+            copied.append(name)
+    return copied
 
 
 def holds_run(folder: Path) -> bool:
@@ -260,7 +328,7 @@ class OutputFolder:
         try:
             self.final.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise _os_problem(exc, self.final.parent) from None
+            raise os_problem(exc, self.final.parent) from None
         if not os.access(self.final.parent, os.W_OK):
             raise OutputError(f"output folder {self.final.parent} is not writable", "choose a writable --out folder")
         self._lock()
@@ -268,10 +336,10 @@ class OutputFolder:
         try:
             self.staging = Path(tempfile.mkdtemp(prefix=f".{self.final.name}.partial-", dir=self.final.parent))
             report("staging", self.staging)  # a supervising parent removes it if this process dies
-            os.chmod(self.staging, 0o777 & ~_umask())
+            os.chmod(self.staging, 0o777 & ~umask())
         except OSError as exc:
             self.release()
-            raise _os_problem(exc, self.final.parent) from None
+            raise os_problem(exc, self.final.parent) from None
         return self.staging
 
     def _lock(self) -> None:
@@ -282,7 +350,7 @@ class OutputFolder:
                 fd = lock_file(self.lock_path, OutputError(f"another exporter run is writing {self.final}",
                                                            "wait for it to finish, or choose another --out"))
             except OSError as exc:
-                raise _os_problem(exc, self.lock_path) from None
+                raise os_problem(exc, self.lock_path) from None
             try:
                 held, there = os.fstat(fd), os.stat(self.lock_path)
                 current = (held.st_dev, held.st_ino) == (there.st_dev, there.st_ino)
@@ -344,68 +412,3 @@ class OutputFolder:
                 os.close(self._lock_fd)
             finally:
                 self._lock_fd = None
-
-
-def public_path(path: str | Path) -> str:
-    """A path as a published report may show it: relative to the working folder when inside it, else only
-    its name, so a report names no host's folders (nor the user whose home they are in)."""
-    text = str(path)
-    given = Path(text)
-    if not given.is_absolute() and ".." not in given.parts:
-        return text
-    try:
-        return str(given.resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return given.name or text
-
-
-def path_from(folder: Path, target: str | Path) -> str:
-    """``target`` as a path relative to ``folder`` (an output folder pointing at its checkpoint), so that it
-    still resolves when both move together; only the name when they share no folder but the root, where a
-    relative path would spell out the whole tree (a home folder, a user name)."""
-    folder, target = Path(folder).resolve(), Path(target).resolve()
-    common = Path(os.path.commonpath([folder, target]))
-    relative = os.path.relpath(target, folder)
-    if common == Path(common.anchor) or _names_someone(Path(relative).parts):
-        return target.name
-    return relative
-
-
-def _names_someone(parts: tuple[str, ...]) -> bool:
-    """Whether a path's parts name this user or this host (a path across home folders would)."""
-    import getpass  # noqa: PLC0415 - only where a path is made public
-    import platform  # noqa: PLC0415
-
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError):
-        user = ""
-    return any(part in (user, platform.node()) for part in parts if part)
-
-
-def public_command(argv: list[str]) -> list[str]:
-    """The command line as typed, with every argument that is an absolute path or names an existing file or
-    folder made public (:func:`public_path`)."""
-    shown = []
-    for arg in argv:
-        option, eq, value = arg.partition("=") if arg.startswith("-") and "=" in arg else ("", "", arg)
-        if value and (os.path.isabs(value) or os.path.exists(value)):
-            value = public_path(value)
-        shown.append(f"{option}{eq}{value}")
-    return shown
-
-
-GENERIC_NAMES = {"model", "models", "checkpoint", "checkpoints", "weights", "snapshot", "final", "pytorch_model"}
-
-
-def model_name(path: Path) -> str:
-    """A folder name for the model: the file's stem, or its folder's name when the stem says nothing."""
-    path = Path(path).resolve()
-    folder = path if path.is_dir() else path.parent
-    name = path.name.split(".")[0] if path.is_file() else path.name
-    generic = name.lower() in GENERIC_NAMES or name.startswith("model-") or path.name.endswith(".index.json")
-    if path.is_file() and generic:
-        name = folder.name
-    if name.lower() in GENERIC_NAMES and folder.parent != folder:
-        name = (folder.parent if name == folder.name else folder).name
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "model"
