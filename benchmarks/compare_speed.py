@@ -20,7 +20,8 @@ import time
 
 import torch
 
-from exporter.numerics.compare import Accumulator, InMemory, chunks  # noqa: E402
+from exporter.child import chunks  # noqa: E402
+from exporter.numerics.compare import Accumulator, InMemory  # noqa: E402
 
 
 def main() -> None:

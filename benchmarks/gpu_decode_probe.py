@@ -160,9 +160,9 @@ def main() -> None:
 
         from torch import nn
 
+        from exporter.generation.fused_projections import fused_projections
         from exporter.quantize.fp8 import Fp8Linear
         from exporter.quantize.fp8_gemv import one_row_kernel
-        from exporter.rewrite.fused_projections import fused_projections
 
         with contextlib.ExitStack() as stack:
             stack.enter_context(backend_context(backend, "cuda"))

@@ -508,9 +508,8 @@ def time_model(model: Model, checkpoint: Path, convert_dir: Path, convert: dict[
                experiment_backends: list[str], on_row: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
     """Every row of ``model``: the variants timed interleaved, their figures, and the attention comparison."""
     from exporter.modelio import by_name
-    from exporter.prepare import from_source, place
+    from exporter.prepare import ModelSource, from_source, place
     from exporter.targets.aoti_loader import load_package
-    from exporter.targets.spec import ModelSource
 
     cuda = device.startswith("cuda")
     names = convert.get("inputs") or (["pixel_values"] if model.builds == "vit" else ["input_ids", "attention_mask"])

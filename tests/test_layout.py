@@ -106,6 +106,26 @@ def test_no_module_imports_one_that_imports_it_back():
     assert cycles(graph) == []
 
 
+def room(module: str) -> str | None:
+    """The top-level module or package a module belongs to (``exporter.targets.aoti`` -> ``targets``); None for
+    the package's own ``__init__``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def test_the_stages_stack_without_an_import_running_back_up():
+    """Folders and top-level modules as rooms: no two rooms import each other, even through others, so the rooms
+    stack in floors with every import running down (a target reads plain values, not the recipe; the quantize stage
+    is handed the generation's forced logits instead of importing them)."""
+    graph: dict[str, set[str]] = {}
+    for name, path in MODULES.items():
+        here = room(name)
+        if here is None:
+            continue
+        graph.setdefault(here, set()).update(r for r in map(room, imported_modules(name, path)) if r not in (None, here))
+    assert cycles(graph) == []
+
+
 def test_a_type_only_import_counts():
     tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .recipe import Recipe\n")
     assert sorted(node.module for node in _imports(tree) if isinstance(node, ast.ImportFrom)) == ["recipe", "typing"]

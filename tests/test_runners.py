@@ -9,8 +9,9 @@ import textwrap
 import pytest
 import torch
 
+from exporter.errors import RunnerFailed
 from exporter.runners import RemoteRunner, Spares
-from exporter.targets.spec import RunnerFailed, RunnerSpec
+from exporter.targets.spec import RunnerSpec
 
 LOADERS = textwrap.dedent('''
     import ctypes, os, torch

@@ -209,5 +209,16 @@ def answer(session: Session, command: str, args: list[Any]) -> Any:
     raise ValueError(f"unknown command {command!r}")
 
 
+
+CHUNK_ELEMENTS = 1 << 24  # 16 M values: 128 MiB in float64
+
+
+def chunks(tensor: torch.Tensor, size: int = CHUNK_ELEMENTS):
+    """Flat, ordered chunks of ``tensor`` (views where it is contiguous)."""
+    flat = tensor.detach().reshape(-1)
+    for start in range(0, flat.numel(), size):
+        yield flat[start:start + size]
+
+
 if __name__ == "__main__":
     child_main(int(sys.argv[1]))

@@ -239,3 +239,17 @@ class Interrupted(ExporterError):
                          "run the command again")
         self.signum = signum
         self.exit_code = 128 + signum
+
+
+class RunnerFailed(Exception):
+    """A variant could not be loaded or run; ``reason`` is one line for the report, ``detail`` for its log."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(reason)
+        self.reason = reason
+        self.detail = detail
+
+
+def failure_reason(exc: BaseException) -> str:
+    """One line for the report: a runner's own reason, else the exception described."""
+    return exc.reason if isinstance(exc, RunnerFailed) else describe(exc)

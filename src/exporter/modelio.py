@@ -202,3 +202,39 @@ def discover_outputs(model: nn.Module, inputs: dict[str, torch.Tensor],
                               "list only outputs the model returns in the recipe's model.outputs")
         return tuple(wanted)
     return tuple(names)
+
+
+def _round_trips(source: torch.dtype, target: torch.dtype) -> bool:
+    """Whether every ``source`` value survives a cast to ``target`` and back (a widening cast)."""
+    if source == target or not (source.is_floating_point and target.is_floating_point):
+        return source == target or not source.is_floating_point
+    wide, narrow = torch.finfo(target), torch.finfo(source)
+    return wide.eps <= narrow.eps and wide.max >= narrow.max and wide.smallest_normal <= narrow.smallest_normal
+
+
+@contextlib.contextmanager
+def cast_in_place(model: nn.Module, dtype: torch.dtype | None, device: str = "cpu"):
+    """Move every parameter and buffer to ``device`` and cast floating ones to ``dtype`` (None: keep); on exit each
+    tensor is its own again, bit for bit: a widening cast (bf16 to float64) is cast back, a narrowing one (float32 to
+    bf16) gives back the tensor it replaced (kept, on its own device, while inside)."""
+    originals: dict[str, tuple[torch.dtype, torch.device, torch.Tensor | None]] = {}
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        kept = None if dtype is None or _round_trips(tensor.dtype, dtype) else tensor.data
+        originals[name] = (tensor.dtype, tensor.device, kept)
+    model.to(device=device)
+    if dtype is not None:
+        model.to(dtype=dtype)
+    try:
+        yield model
+    finally:
+        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+            original_dtype, original_device, kept = originals.get(name, (tensor.dtype, tensor.device, None))
+            if tensor.dtype != original_dtype or tensor.device != original_device or kept is not None:
+                owner, _, leaf = name.rpartition(".")
+                module = model.get_submodule(owner) if owner else model
+                restored = kept if kept is not None else tensor.data.to(device=original_device, dtype=original_dtype)
+                parameter = module._parameters.get(leaf)
+                if parameter is not None:
+                    parameter.data = restored
+                else:
+                    module._buffers[leaf] = restored

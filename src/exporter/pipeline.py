@@ -32,7 +32,7 @@ from .numerics.proofs import checkpoint_tensors, prove_converted
 from .numerics.reference import run_reference
 from .numerics.validation import Validation, inherit_verdicts, not_on_grid
 from .outdir import save_tensors
-from .prepare import original_module
+from .prepare import ModelSource, original_module
 from .progress import Progress
 from .quantize.stage import Quantization, quantize_stage
 from .recipe import Recipe, public_source
@@ -42,7 +42,7 @@ from .runners import RemoteRunner, Spares
 from .targets import TARGETS
 from .targets.build import build_targets
 from .targets.context import BuildContext
-from .targets.spec import ModelSource, RunnerSpec
+from .targets.spec import RunnerSpec
 
 
 def release_host_copy(model: torch.nn.Module, device: str) -> None:
@@ -195,7 +195,7 @@ class ConvertRun:
         source = ModelSource(str(self.checkpoint.resolve()), recipe.model.factory, self.allow_pickle,
                              signature.inputs, signature.outputs, str(inputs_path), recipe.runtime.rewrite_attention,
                              recipe.model.pipeline)
-        ctx = BuildContext(rewritten, plan, recipe, self.staging, source, example)
+        ctx = BuildContext(rewritten, plan, recipe.build_settings(), self.staging, source, example)
         self.validation = validation = Validation(recipe, signature, reference, samples, original, self.log_path,
                                                    self.spares)
         loading: dict[str, RemoteRunner] = {}

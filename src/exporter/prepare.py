@@ -11,7 +11,20 @@ from .checkpoint import LoadedModel, load_model
 from .dtypes import torch_dtype
 from .modelio import IOModule, Signature, make_io_module
 from .rewrite import AttentionAudit, rewrite_attention
-from .targets.spec import ModelSource
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """How a child process rebuilds the model from the checkpoint."""
+
+    checkpoint: str
+    factory: str | None
+    allow_pickle: bool
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    example_file: str  # safetensors of the reference inputs; sample 0 drives the rewrite's audit run
+    rewrite: bool = True  # the recipe's runtime.rewrite_attention
+    pipeline: bool = True  # the recipe's model.pipeline (a sentence-transformers folder's modules)
 
 
 @dataclass

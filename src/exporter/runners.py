@@ -31,14 +31,13 @@ from typing import Any, Callable, Iterator
 import torch
 
 from . import interrupts
-from .child import WARM_ENV, Channel, Session
+from .child import CHUNK_ELEMENTS, WARM_ENV, Channel, Session, chunks
 from .dtypes import name_of
-from .errors import shorten
+from .errors import RunnerFailed, failure_reason, shorten
 from .measure.conditions import conditions, inherit
 from .measure.memory import peak_memory
-from .numerics.compare import CHUNK_ELEMENTS, chunks
 from .targets import get as get_target
-from .targets.spec import Loaded, RunnerFailed, RunnerSpec, failure_reason
+from .targets.spec import Loaded, RunnerSpec
 from .targets.toolchain import aoti_preload
 
 DEFAULT_TIMEOUT_S = 3600.0

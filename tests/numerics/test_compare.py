@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from exporter.numerics.compare import Accumulator, InFile, InMemory, chunks, rmse_of, safetensors_index
+from exporter.child import chunks
+from exporter.numerics.compare import Accumulator, InFile, InMemory, rmse_of, safetensors_index
 from exporter.numerics.tolerance import check_output, explain_bar, metrics, widened
 from exporter.outdir import save_tensors
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from exporter.numerics.reference import cast_in_place, upcast_while_running
+from exporter.modelio import cast_in_place
+from exporter.numerics.reference import upcast_while_running
 from exporter.quantize.cost import layer_sqnr, sqnr_db, top1_and_kl
 from exporter.quantize.fp8 import FP8, FP8_MAX, Fp8Linear, quantize_weight, rowwise_product
 from exporter.quantize.transform import quantize_model

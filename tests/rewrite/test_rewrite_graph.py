@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exporter.numerics.reference import cast_in_place
+from exporter.modelio import cast_in_place
 from exporter.rewrite import REWRITTEN, SKIPPED, graph_rule, rewrite_attention, softmax_attention_graph
 from exporter.rewrite.graph_capture import TracedModule
 from exporter.rewrite.graph_facts import count_graph_ops

@@ -25,10 +25,10 @@ import torch.nn as nn
 from ..errors import describe
 from ..quantize.fp8 import Fp8Linear
 from ..quantize.fp8_gemv import one_row_kernel
-from ..rewrite.fused_projections import fused_projections
 from ..targets.context import DecoderPrograms
 from ..targets.exported_program import decomposition_table
 from .cache import CacheLayout, DecoderStep
+from .fused_projections import fused_projections
 
 
 class PastStep(nn.Module):
@@ -61,7 +61,7 @@ def export_steps(step: DecoderStep, layout: CacheLayout, batch: int, prompt: int
                  one: bool = False) -> DecoderPrograms:
     """Both programs, decomposed to core ATen with SDPA kept. Named dims first; on a guard torch cannot prove
     over the range (seen on CUDA) the same ranges as ``Dim.DYNAMIC`` hints, noted. ``fuse``: the linears that
-    read one tensor (q, k, v; gate, up) exported as one product each (``rewrite.fused_projections``). ``past``:
+    read one tensor (q, k, v; gate, up) exported as one product each (``generation.fused_projections``). ``past``:
     also both programs as ``PastStep`` (the cache in and out), for ONNX; a failure there is
     recorded (``past_error``) and leaves the other programs be. ``one``: also the decode program of batch 1,
     every shape static (``decode_one``)."""

@@ -214,7 +214,7 @@ def build_and_judge(entry: dict[str, Any], programs: DecoderPrograms, recipe: Re
     with progress.stage(f"build {name}"):
         t0 = time.perf_counter()
         try:
-            files = build_decoder(target, programs, recipe, staging)
+            files = build_decoder(target, programs, recipe.build_settings(), staging)
         except Exception as exc:
             # the whole message (a compiler's output is longer than the report's line) and the traceback
             log = staging / "logs" / f"{name}.build.log"
@@ -312,8 +312,10 @@ def convert_generation(checkpoint: Path, recipe: Recipe, staging: Path, allow_dr
     quantization = None
     if recipe.quantize.enabled:  # the second question against the original's steps; the first against the quantized
         with progress.stage("quantize", recipe.quantize.scheme):
-            quantization = quantize_decoder(model, recipe, transformers, ref.prompt, ref.tokens, ref.logits,
-                                            ref.baseline)
+            original = ref  # teacher-forced on the original's tokens
+            quantization = quantize_decoder(
+                model, recipe, lambda: forced_logits(model, original.prompt, original.tokens, device, transformers),
+                ref.logits, ref.baseline)
             if not quantization.cost.passed:
                 progress.warn(f"quantization budget: {quantization.cost.error()}")
         with progress.stage("reference (quantized)",

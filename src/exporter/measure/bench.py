@@ -19,8 +19,8 @@ from typing import Any, Callable, Protocol
 import torch
 
 from .. import interrupts
+from ..errors import RunnerFailed, failure_reason
 from ..results import FAILED
-from ..targets.spec import RunnerFailed, failure_reason
 from .conditions import differences
 
 

@@ -45,9 +45,8 @@ import torch
 from torch.profiler import ProfilerActivity
 from torch.profiler import profile as torch_profile
 
-from ..errors import describe
+from ..errors import describe, failure_reason
 from ..results import FAILED
-from ..targets.spec import failure_reason
 from .backend_choice import why_not
 
 BACKENDS = ("flash", "efficient", "cudnn", "math", "other")

@@ -22,11 +22,10 @@ from typing import Iterator, Protocol
 
 import torch
 
+from ..child import CHUNK_ELEMENTS
 from ..dtypes import from_safetensors
 from ..results import OutputCheck
 from .tolerance import check_against_metrics
-
-CHUNK_ELEMENTS = 1 << 24  # 16 M values: 128 MiB in float64
 
 
 class Source(Protocol):
@@ -224,12 +223,5 @@ def rmse_of(reference: torch.Tensor, other: torch.Tensor, chunk: int = CHUNK_ELE
     return accumulator.metrics()["rmse"]
 
 
-def chunks(tensor: torch.Tensor, size: int = CHUNK_ELEMENTS):
-    """Flat, ordered chunks of ``tensor`` (views where it is contiguous)."""
-    flat = tensor.detach().reshape(-1)
-    for start in range(0, flat.numel(), size):
-        yield flat[start:start + size]
-
-
-__all__ = ["Accumulator", "InMemory", "InFile", "Source", "safetensors_index", "read_stream", "rmse_of", "chunks",
-           "shape_mismatch", "CHUNK_ELEMENTS"]
+__all__ = ["Accumulator", "InMemory", "InFile", "Source", "safetensors_index", "read_stream", "rmse_of",
+           "shape_mismatch"]

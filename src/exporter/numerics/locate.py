@@ -42,7 +42,7 @@ import torch
 from ..attention_backend import backend_context
 from ..dtypes import torch_dtype
 from ..errors import describe
-from ..modelio import IOModule
+from ..modelio import IOModule, cast_in_place
 from .locate_program import in_program
 from .module_checks import (
     Call,
@@ -57,7 +57,7 @@ from .module_checks import (
     nbytes,
     run_context,
 )
-from .reference import cast_in_place, promoted
+from .reference import promoted
 
 DEFAULT_MEMORY_FRACTION = 0.25  # of free host memory, for the recorded float64 activations
 

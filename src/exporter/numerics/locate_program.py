@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..attention_backend import backend_context
-from ..modelio import IOModule, keyword_names
+from ..modelio import IOModule, cast_in_place, keyword_names
 from .module_checks import (
     Call,
     finding_of,
@@ -28,7 +28,6 @@ from .module_checks import (
     run_context,
     verdict_of,
 )
-from .reference import cast_in_place
 from .tolerance import check_output
 
 

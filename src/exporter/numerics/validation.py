@@ -19,7 +19,7 @@ from ..errors import describe
 from ..inputs import InputPlan
 from ..measure import backend_choice
 from ..measure.kernels import hook
-from ..modelio import IOModule, Signature
+from ..modelio import IOModule, Signature, cast_in_place
 from ..recipe import Recipe
 from ..results import FAILED, NUMERICS_FAILED, OK, OutputCheck, VariantResult, ratio
 from ..rewrite.graph_capture import TracedModule
@@ -28,7 +28,7 @@ from ..targets.spec import Loaded, RunnerSpec
 from .compare import InMemory, read_stream, rmse_of
 from .grid import GridPlan, artifact_signature, describe_signature, plan_grid, point_sample
 from .locate import locate
-from .reference import Reference, cast_in_place, full_float32, run_reference
+from .reference import Reference, full_float32, run_reference
 from .tolerance import explain_bar, relative_floor, verdict_of_checks, widened
 
 # What localisation replays for each kind of candidate (the report quotes these).

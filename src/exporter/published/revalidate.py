@@ -16,7 +16,7 @@ from typing import Any
 from ..checkpoint import load_model
 from ..dtypes import torch_dtype
 from ..environment import check_machine
-from ..errors import EXIT_OK, CheckpointError, UsageError
+from ..errors import EXIT_OK, CheckpointError, RunnerFailed, UsageError
 from ..inputs import plan_inputs
 from ..modelio import Signature
 from ..numerics.grid import plan_grid
@@ -31,7 +31,6 @@ from ..recipe import GENERATION_TASKS, recipe_from_dict
 from ..results import FAILED, NUMERICS_FAILED, VariantResult, exit_code, problem_lines, ratio
 from ..rewrite import rewrite_attention
 from ..targets.program_file import load_program
-from ..targets.spec import RunnerFailed
 from .reading import artifact_spec, device_problem, load_reference, out_folder, read_json, untrusted_entry
 
 

@@ -11,14 +11,15 @@ linears are dropped before it returns.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ..dtypes import torch_dtype
 from ..errors import RecipeError
 from ..inputs import cast_sample
-from ..numerics.reference import cast_in_place, full_float32
+from ..modelio import cast_in_place
+from ..numerics.reference import full_float32
 from ..recipe import QuantizeSection, Recipe
 from .cost import Budget, Cost, judge_layers, judge_outputs, layer_sqnr
 from .fp8 import FP8
@@ -127,21 +128,21 @@ def quantize_stage(io, model: torch.nn.Module, recipe: Recipe, samples: list[dic
     return _quantize_and_judge(model, section, dtype, run, names, samples, unquantized, reference_outputs)
 
 
-def quantize_decoder(model: torch.nn.Module, recipe: Recipe, transformers: bool, prompt, tokens: torch.Tensor,
+def quantize_decoder(model: torch.nn.Module, recipe: Recipe, forced: Callable[[], torch.Tensor],
                      reference_logits: torch.Tensor, unquantized_logits: torch.Tensor) -> Quantization:
     """``--task text-generation``: quantize ``model`` (in the recipe's dtype) in place and judge what it cost on
-    the judged steps, teacher-forced on the original reference's tokens: each step's logits against the original
-    float64 logits (``reference_logits``, ``[steps, batch, vocab]``), beside the unquantized model's
-    (``unquantized_logits``), with top-1 agreement and KL against the latter over every step and row."""
-    from ..generation.reference import forced_logits  # noqa: PLC0415 - the generation stage's own helper
+    the judged steps, teacher-forced on the original reference's tokens (``forced()``: the model's logits for each
+    step, ``[steps, batch, vocab]``, computed by the generation stage): each step's logits against the original
+    float64 logits (``reference_logits``), beside the unquantized model's (``unquantized_logits``), with top-1
+    agreement and KL against the latter over every step and row."""
     from ..modelio import attention_implementation  # noqa: PLC0415
 
-    section, device, dtype = recipe.quantize, recipe.runtime.device, recipe.runtime.dtype
+    section, dtype = recipe.quantize, recipe.runtime.dtype
 
     def run(checked):
         model.to(torch_dtype(dtype))
         with attention_implementation(model, "eager"):
-            return [[checked(lambda: forced_logits(model, prompt, tokens, device, transformers))]]
+            return [[checked(forced)]]
 
     return _quantize_and_judge(model, section, dtype, run, ("logits",), [{}], [[unquantized_logits]],
                                [[reference_logits]])

@@ -12,6 +12,7 @@ from typing import Any
 from ..dtypes import K_DEFAULTS, TENSOR_DTYPES
 from ..errors import RecipeError
 from ..targets import NAMES as TARGETS
+from ..targets.spec import BuildSettings, TargetsSection
 
 __all__ = [
     "ATTENTION_BACKENDS", "COMPILE_MODES", "DEVICES", "GENERATION_TASKS", "NONFINITE_POLICIES", "ONNX_DTYPES",
@@ -121,16 +122,6 @@ class RuntimeSection:
 
 
 @dataclass(frozen=True)
-class TargetsSection:
-    build: tuple[str, ...] = ("exported_program", "aoti", "onnx")
-    compile_modes: tuple[str, ...] = ("default",)
-    compile_dynamic: bool = False
-    aoti_cuda_graph: bool = False  # also time (and judge) the AOTI package replayed from a CUDA graph
-    onnx_opset: int = 23
-    onnx_dtype: str = "auto"
-
-
-@dataclass(frozen=True)
 class InputsSection:
     seed: int = 0
     samples: int = 2
@@ -204,6 +195,10 @@ class Recipe:
         data = dataclasses.asdict(self)
         data["inputs"].pop("given", None)
         return data
+
+    def build_settings(self) -> BuildSettings:
+        """What the targets' builds read of this recipe."""
+        return BuildSettings(self.runtime.device, self.runtime.dtype, self.runtime.attention_backend, self.targets)
 
     def with_factory(self, factory: str | None) -> "Recipe":
         if not factory:

@@ -11,7 +11,7 @@ for its help and the recipe parser checks target names against it.
 
 from __future__ import annotations
 
-from .spec import DecoderLoaded, Loaded, ModelSource, RunnerSpec, Target
+from .spec import DecoderLoaded, Loaded, RunnerSpec, Target
 
 TARGETS: tuple[Target, ...] = (
     Target("exported_program", "exporter.targets.exported_program", "torch.export program (.pt2)",
@@ -43,4 +43,4 @@ def load_runner(spec: RunnerSpec) -> Loaded:
     return get(spec.target).load(spec)
 
 
-__all__ = ["TARGETS", "NAMES", "Target", "DecoderLoaded", "Loaded", "ModelSource", "RunnerSpec", "get", "load_runner"]
+__all__ = ["TARGETS", "NAMES", "Target", "DecoderLoaded", "Loaded", "RunnerSpec", "get", "load_runner"]

@@ -43,7 +43,7 @@ from .spec import DecoderLoaded, Loaded, RunnerSpec
 from .toolchain import aoti_preload
 
 if TYPE_CHECKING:
-    from ..recipe import Recipe
+    from .spec import BuildSettings
 
 FILE = "model.aoti.pt2"
 LOADER = "aoti_loader.py"  # a copy of exporter/targets/aoti_loader.py: loads the package without a compiler
@@ -74,13 +74,13 @@ def build(ctx: BuildContext) -> list[Built]:
     if apart:
         configs["aot_inductor.package_constants_in_so"] = False
     with contextlib.ExitStack() as stack:
-        stack.enter_context(backend_context(ctx.recipe.runtime.attention_backend, ctx.device))
+        stack.enter_context(backend_context(ctx.settings.attention_backend, ctx.device))
         if ctx.device != "cpu":
             # Inductor probes the CPU's vector instruction sets (a g++ compile and a Python process per set)
             # for the C++ it would write for CPU kernels; a CUDA graph has none worth vectorising.
             stack.enter_context(inductor_config.patch({"cpp.vec_isa_ok": False}))
         cached = compile_package(program, path, configs, ctx.device,
-                                 {"attention_backend": ctx.recipe.runtime.attention_backend})
+                                 {"attention_backend": ctx.settings.attention_backend})
     written = [path]
     if apart:
         weights_file = Path(aoti_loader.weights_beside(str(path)))
@@ -90,7 +90,7 @@ def build(ctx: BuildContext) -> list[Built]:
     shutil.copyfile(aoti_loader.__file__, loader)
     preload = aoti_preload()
     spec = RunnerSpec("aoti", "aoti", ctx.device, ctx.dtype, path=str(path),
-                      options=(("ld_preload", preload),), attention_backend=ctx.recipe.runtime.attention_backend)
+                      options=(("ld_preload", preload),), attention_backend=ctx.settings.attention_backend)
     notes = list(ctx.notes)
     notes += [f"loaded with the compiler's libstdc++ preloaded ({os.path.basename(preload)}, the one this process "
               "maps already; docs/gpu.md: on some GPU machines packages crashed on load without it)"] if preload else []
@@ -105,15 +105,15 @@ def build(ctx: BuildContext) -> list[Built]:
     built = [Built("aoti", "aoti", spec, path, [*written, loader], build_s, notes=notes,
                    graph={"ld_preload": os.path.basename(preload) if preload else None,
                           "inductor_configs": configs, "package_cache": cached})]
-    if ctx.recipe.targets.aoti_cuda_graph and ctx.device.startswith("cuda") and apart:
+    if ctx.settings.targets.aoti_cuda_graph and ctx.device.startswith("cuda") and apart:
         notes.append(f"{GRAPHED} not built: {weights / 2**30:.1f} GiB of weights (over "
                      f"{weights_apart_above() / 2**30:.0f} GiB) would be loaded again by its own process, and a "
                      "model this size spends its time in kernels, not in launching them")
-    elif ctx.recipe.targets.aoti_cuda_graph and ctx.device.startswith("cuda"):
+    elif ctx.settings.targets.aoti_cuda_graph and ctx.device.startswith("cuda"):
         # loaded into the aoti variant's process (one process per artifact kind: one CUDA context fewer)
         graphed = RunnerSpec(GRAPHED, "aoti", ctx.device, ctx.dtype, path=str(path), source=ctx.source,
                              options=(("ld_preload", preload), ("cuda_graph", True), ("host", "aoti")),
-                             attention_backend=ctx.recipe.runtime.attention_backend)
+                             attention_backend=ctx.settings.attention_backend)
         built.append(Built("aoti", GRAPHED, graphed, build_s=build_s, static_shapes=True, replays="aoti", notes=[
             f"the aoti package replayed from a CUDA graph ({LOADER}: CudaGraphed), captured at the samples' shapes: "
             "a benchmark variant, judged at the samples, not on the grid; build time is the package's, the "
@@ -192,23 +192,23 @@ def shared_tensors(prefill: list[tuple[str, torch.Tensor]],
     return sorted(merged.items())
 
 
-def build_decoder(programs: DecoderPrograms, recipe: Recipe, files: tuple[Path, ...]) -> list[Path]:
+def build_decoder(programs: DecoderPrograms, settings: BuildSettings, files: tuple[Path, ...]) -> list[Path]:
     """Both packages without their weights (and the decode package of batch 1 where ``files`` names a third), the
     weights once beside them, and the loader."""
-    device = recipe.runtime.device
+    device = settings.device
     staging = files[0].parent
     compiled = [programs.prefill, programs.decode] + ([programs.decode_one] if len(files) > 2 else [])
     tensors = program_tensors(compiled[0])
     for program in compiled[1:]:
         tensors = shared_tensors(tensors, program_tensors(program))
     with contextlib.ExitStack() as stack:
-        stack.enter_context(backend_context(recipe.runtime.attention_backend, device))
+        stack.enter_context(backend_context(settings.attention_backend, device))
         if device != "cpu":
             stack.enter_context(inductor_config.patch({"cpp.vec_isa_ok": False}))
         configs: dict[str, Any] = {"aot_inductor.package_constants_in_so": False}
         for index, (program, path) in enumerate(zip(compiled, files)):
             own = {**configs, **BATCH_1_CONFIGS} if index == 2 else configs
-            compile_package(program, path, own, device, {"attention_backend": recipe.runtime.attention_backend})
+            compile_package(program, path, own, device, {"attention_backend": settings.attention_backend})
     weights = staging / DECODER_WEIGHTS
     save_named_tensors(weights, tensors)
     loader = staging / LOADER

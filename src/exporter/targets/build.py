@@ -40,7 +40,7 @@ def build_targets(ctx: BuildContext, progress, log: Callable[[str, str], None],
     loading it while the next one builds). Returns (VariantResult, RunnerSpec or None) pairs in
     :data:`TARGETS` order.
     """
-    wanted = sorted((t for t in TARGETS if t.name in ctx.recipe.targets.build), key=lambda t: t.needs_program)
+    wanted = sorted((t for t in TARGETS if t.name in ctx.settings.targets.build), key=lambda t: t.needs_program)
     built: list[tuple[VariantResult, RunnerSpec | None]] = []
 
     def build_one(target: Target) -> None:

@@ -24,11 +24,11 @@ from .spec import Loaded, RunnerSpec
 
 def build(ctx: BuildContext) -> list[Built]:
     built = []
-    for mode in ctx.recipe.targets.compile_modes:
+    for mode in ctx.settings.targets.compile_modes:
         name = f"compile:{mode}"
         spec = RunnerSpec(name, "compile", ctx.device, ctx.dtype, source=ctx.source,
-                          options=(("mode", mode), ("dynamic", ctx.recipe.targets.compile_dynamic)),
-                          attention_backend=ctx.recipe.runtime.attention_backend)
+                          options=(("mode", mode), ("dynamic", ctx.settings.targets.compile_dynamic)),
+                          attention_backend=ctx.settings.attention_backend)
         built.append(Built("compile", name, spec, notes=["no file: a benchmark variant; build time is the first call"],
                            static_shapes=True))
     return built

@@ -1,6 +1,7 @@
 """What a target is built from, in the convert process, and what building it returns.
 
-``BuildContext`` carries the rewritten model, the input plan, the recipe, the staging folder and the torch.export
+``BuildContext`` carries the rewritten model, the input plan, what the recipe asks of the build (``BuildSettings``),
+the staging folder and the torch.export
 program every program-based target shares; ``Built`` is one variant a target's ``build`` made (with the
 ``RunnerSpec`` another process loads it from). ``DecoderPrograms`` is the same for ``--task text-generation``: a
 decoder's prefill and decode programs, which each target with ``decoder`` files writes with ``build_decoder``.
@@ -11,23 +12,33 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from .spec import ModelSource, RunnerSpec, Target
+from .spec import BuildSettings, RunnerSpec, Target
 
 if TYPE_CHECKING:
     import torch
 
-    from ..inputs import InputPlan
     from ..modelio import IOModule
-    from ..recipe import Recipe
+    from ..prepare import ModelSource
+
+
+class Inputs(Protocol):
+    """What a target reads of the input plan (``inputs.InputPlan``): the inputs' names and their dynamic axes."""
+
+    @property
+    def names(self) -> tuple[str, ...]: ...
+
+    def dynamic_axes(self) -> dict[str, dict[int, Any]]: ...
+
+    def export_dynamic_shapes(self, hints: bool = False) -> dict[str, dict[int, Any] | None] | None: ...
 
 
 @dataclass
 class BuildContext:
     io: IOModule  # the rewritten model, on the recipe's device and dtype
-    plan: InputPlan
-    recipe: Recipe
+    plan: Inputs
+    settings: BuildSettings
     staging: Path
     source: ModelSource
     example: list[torch.Tensor]  # sample 0 on the recipe's device and dtype
@@ -40,11 +51,11 @@ class BuildContext:
 
     @property
     def device(self) -> str:
-        return self.recipe.runtime.device
+        return self.settings.device
 
     @property
     def dtype(self) -> str:
-        return self.recipe.runtime.dtype
+        return self.settings.dtype
 
 
 @dataclass
@@ -86,11 +97,11 @@ def build(target: Target, ctx: BuildContext) -> list[Built]:
     return target.implementation().build(ctx)
 
 
-def build_decoder(target: Target, programs: DecoderPrograms, recipe: Recipe, staging: Path) -> list[Path]:
+def build_decoder(target: Target, programs: DecoderPrograms, settings: BuildSettings, staging: Path) -> list[Path]:
     """Write ``target``'s prefill and decode programs into ``staging``; the files written."""
     if not target.decoder:
         raise ValueError(f"target {target.name} builds no generation programs: {target.decoder_note}")
-    return target.implementation().build_decoder(programs, recipe, _files(target, programs, staging))
+    return target.implementation().build_decoder(programs, settings, _files(target, programs, staging))
 
 
 def decoder_attention(target: Target, programs: DecoderPrograms, staging: Path) -> dict[str, dict[str, int]]:

@@ -29,7 +29,7 @@ from .program_file import load_program
 from .spec import DecoderLoaded, Loaded, RunnerSpec
 
 if TYPE_CHECKING:
-    from ..recipe import Recipe
+    from .spec import BuildSettings
 
 FILE = "model.pt2"
 
@@ -121,7 +121,7 @@ def build(ctx: BuildContext) -> list[Built]:
     path = ctx.staging / FILE
     torch.export.save(program, str(path))
     spec = RunnerSpec("exported_program", "exported_program", ctx.device, ctx.dtype, path=str(path),
-                      attention_backend=ctx.recipe.runtime.attention_backend)
+                      attention_backend=ctx.settings.attention_backend)
     graph: dict[str, Any] = dict(count_graph_ops(program.graph))
     graph["placeholders"] = [n.name for n in program.graph.nodes if n.op == "placeholder"
                              and n.name in ctx.plan.names]
@@ -150,7 +150,7 @@ def program_attention(program: Any) -> dict[str, int]:
     return {"sdpa": ops["sdpa"], "softmax": ops["softmax"]}
 
 
-def build_decoder(programs: DecoderPrograms, recipe: Recipe, files: tuple[Path, ...]) -> list[Path]:
+def build_decoder(programs: DecoderPrograms, settings: BuildSettings, files: tuple[Path, ...]) -> list[Path]:
     """``prefill.pt2`` and ``decode.pt2``: the two programs as exported (core ATen, SDPA kept)."""
     for program, path in zip((programs.prefill, programs.decode), files):
         torch.export.save(program, str(path))

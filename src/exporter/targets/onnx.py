@@ -38,15 +38,14 @@ from onnx.external_data_helper import uses_external_data
 
 from ..dtypes import torch_dtype
 from ..measure.kernels import onnxruntime_hook
-from ..modelio import step_positions
-from ..numerics.reference import cast_in_place
+from ..modelio import cast_in_place, step_positions
 from ..rewrite.onnx_attention_masks import expand_attention_masks
 from .context import BuildContext, Built, DecoderPrograms
 from .exported_program import export_module
 from .spec import DecoderLoaded, Loaded, RunnerSpec, TargetSkipped
 
 if TYPE_CHECKING:
-    from ..recipe import Recipe
+    from .spec import BuildSettings
 
 FILE = "model.onnx"
 # A GPU recipe without onnxruntime's CUDA provider checks ONNX in float32 on the CPU: the export, the saved
@@ -185,7 +184,7 @@ def build(ctx: BuildContext) -> list[Built]:
     t0 = time.perf_counter()
     provider = choose_provider(ctx.device)
     values = sum(t.numel() for t in list(ctx.io.parameters()) + list(ctx.io.buffers()) if t.is_floating_point())
-    where = placement(ctx.device, ctx.dtype, provider, ctx.recipe.targets.onnx_dtype, values)
+    where = placement(ctx.device, ctx.dtype, provider, ctx.settings.targets.onnx_dtype, values)
     device, dtype, in_float32 = where.device, where.dtype, where.in_float32
     notes = where.notes if in_float32 else list(ctx.notes) + where.notes
     path = ctx.staging / FILE
@@ -195,7 +194,7 @@ def build(ctx: BuildContext) -> list[Built]:
         expanded = expand_attention_masks(program)
         if expanded:
             notes.append(f"{expanded} attention mask(s) expanded over the query length for onnxruntime")
-        onnx_program = torch.onnx.export(program, (), dynamo=True, opset_version=ctx.recipe.targets.onnx_opset,
+        onnx_program = torch.onnx.export(program, (), dynamo=True, opset_version=ctx.settings.targets.onnx_opset,
                                          input_names=list(ctx.plan.names), output_names=list(ctx.io.signature.outputs),
                                          verbose=False, optimize=False)
         if onnx_program is None:  # only the legacy exporter returns nothing
@@ -283,12 +282,12 @@ def output_names(layers: int) -> list[str]:
     return ["logits", *[f"present.{layer}.{part}" for layer in range(layers) for part in ("key", "value")]]
 
 
-def build_decoder(programs: DecoderPrograms, recipe: Recipe, files: tuple[Path, ...]) -> list[Path]:
+def build_decoder(programs: DecoderPrograms, settings: BuildSettings, files: tuple[Path, ...]) -> list[Path]:
     """Translate the two programs with the cache in and out (``programs.past``) to ONNX, one weights file for
     both; returns the files written."""
     if programs.past is None:
         raise RuntimeError(f"the programs with the cache in and out could not be exported: {programs.past_error}")
-    layers, opset = programs.layers, recipe.targets.onnx_opset
+    layers, opset = programs.layers, settings.targets.onnx_opset
     paths = list(files)
     names = programs.past_names or (input_names(layers), output_names(layers), input_names(layers),
                                     output_names(layers))

@@ -3,7 +3,7 @@
 ``Target`` declares an artifact kind once: its name, the module that builds and loads it, what it needs, and the
 files it writes for a decoder's prefill and decode programs (``--task text-generation``). ``RunnerSpec`` is the
 plain, picklable description from which another process loads a variant (the target's ``load`` returns
-``Loaded``); ``load_decoder`` loads a decoder's two programs back (``DecoderLoaded``). ``ModelSource`` says how a
+``Loaded``); ``load_decoder`` loads a decoder's two programs back (``DecoderLoaded``). ``prepare.ModelSource`` says how a
 process rebuilds the model itself from the checkpoint (the compile variants). What a target is built from, in the
 convert process, is :mod:`exporter.targets.context`.
 
@@ -19,19 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..errors import describe
+from ..errors import RunnerFailed
 
 if TYPE_CHECKING:
     import torch
 
-
-class RunnerFailed(Exception):
-    """A variant could not be loaded or run; ``reason`` is one line for the report, ``detail`` for its log."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(reason)
-        self.reason = reason
-        self.detail = detail
+    from ..prepare import ModelSource
 
 
 class TargetSkipped(Exception):
@@ -42,23 +35,26 @@ class TargetSkipped(Exception):
         self.reason = reason
 
 
-def failure_reason(exc: BaseException) -> str:
-    """One line for the report: a runner's own reason, else the exception described."""
-    return exc.reason if isinstance(exc, RunnerFailed) else describe(exc)
+@dataclass(frozen=True)
+class TargetsSection:
+    """The recipe's ``[targets]`` table: which targets are built and how (the recipe's parser reads it)."""
+
+    build: tuple[str, ...] = ("exported_program", "aoti", "onnx")
+    compile_modes: tuple[str, ...] = ("default",)
+    compile_dynamic: bool = False
+    aoti_cuda_graph: bool = False  # also time (and judge) the AOTI package replayed from a CUDA graph
+    onnx_opset: int = 23
+    onnx_dtype: str = "auto"
 
 
 @dataclass(frozen=True)
-class ModelSource:
-    """How a child process rebuilds the model from the checkpoint."""
+class BuildSettings:
+    """What a target's build reads of a recipe (``Recipe.build_settings()``), as plain values."""
 
-    checkpoint: str
-    factory: str | None
-    allow_pickle: bool
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-    example_file: str  # safetensors of the reference inputs; sample 0 drives the rewrite's audit run
-    rewrite: bool = True  # the recipe's runtime.rewrite_attention
-    pipeline: bool = True  # the recipe's model.pipeline (a sentence-transformers folder's modules)
+    device: str
+    dtype: str
+    attention_backend: str
+    targets: TargetsSection
 
 
 @dataclass(frozen=True)
@@ -120,7 +116,7 @@ class DecoderLoaded:
 class Target:
     """One artifact kind. ``module`` defines ``build(BuildContext) -> list[Built]`` and, for a target whose
     artifacts can be run, ``load(RunnerSpec) -> Loaded``; a target with ``decoder`` files also defines
-    ``build_decoder(DecoderPrograms, Recipe, files) -> list[Path]``, ``load_decoder(files) -> DecoderLoaded``
+    ``build_decoder(DecoderPrograms, BuildSettings, files) -> list[Path]``, ``load_decoder(files) -> DecoderLoaded``
     and ``decoder_attention(DecoderPrograms, files)`` (``files``: its ``decoder`` files in the folder). The
     module is imported only when the target is used (building is :func:`exporter.targets.context.build`)."""
 

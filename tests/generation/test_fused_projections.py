@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import exporter
-from exporter.rewrite.fused_projections import Projection, find_groups, fused_projections
+from exporter.generation.fused_projections import Projection, find_groups, fused_projections
 
 transformers = pytest.importorskip("transformers")
 
