@@ -122,7 +122,8 @@ def test_the_stages_stack_without_an_import_running_back_up():
         here = room(name)
         if here is None:
             continue
-        graph.setdefault(here, set()).update(r for r in map(room, imported_modules(name, path)) if r not in (None, here))
+        rooms = {room(m) for m in imported_modules(name, path)}
+        graph.setdefault(here, set()).update(r for r in rooms if r is not None and r != here)
     assert cycles(graph) == []
 
 
