@@ -4,8 +4,8 @@
 files it writes for a decoder's prefill and decode programs (``--task text-generation``). ``RunnerSpec`` is the
 plain, picklable description from which another process loads a variant (the target's ``load`` returns
 ``Loaded``); ``load_decoder`` loads a decoder's two programs back (``DecoderLoaded``).
-``prepare.ModelSource`` says how a process rebuilds the model itself from the checkpoint (the compile variants). What a target is built from, in the
-convert process, is :mod:`exporter.targets.context`.
+``prepare.ModelSource`` says how a process rebuilds the model itself from the checkpoint (the compile
+variants). What a target is built from, in the convert process, is :mod:`exporter.targets.context`.
 
 Nothing here imports torch or another exporter stage at module level, so the target list can be read by the
 command line's help and by the recipe parser.
