@@ -85,12 +85,9 @@ def convert(checkpoint: str | Path, recipe: str | Path | Recipe = "cpu-fp32", ou
                 opened: Checkpoint | None
                 if recipe_obj.model.task in GENERATION_TASKS:
                     from .generation.run import convert_generation  # noqa: PLC0415
-                    from .generation.seq2seq_run import convert_seq2seq  # noqa: PLC0415
 
-                    convert_task = convert_generation if recipe_obj.model.task == "text-generation" else \
-                        convert_seq2seq
-                    data, opened = convert_task(checkpoint, recipe_obj, folder.staged, allow_drift, allow_pickle,
-                                                progress)
+                    data, opened = convert_generation(checkpoint, recipe_obj, folder.staged, allow_drift,
+                                                      allow_pickle, progress)
                     manifest_inputs = {"checkpoint_files": list(opened.files),
                                        "recipe": run.manifest_inputs()["recipe"]}
                 else:

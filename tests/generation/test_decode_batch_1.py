@@ -68,6 +68,7 @@ def test_a_wrong_batch_1_program_fails_while_the_batch_program_passes(tiny_model
     passes, the rows-alone verdict fails, and the merged verdict fails naming batch 1."""
     from exporter.checkpoint import load_model
     from exporter.generation.cache import DecoderStep, probe_layout
+    from exporter.generation.decoder import DECODER
     from exporter.generation.driver import Steps, generate
     from exporter.generation.judge import judge_steps
     from exporter.generation.run import reference
@@ -76,11 +77,11 @@ def test_a_wrong_batch_1_program_fails_while_the_batch_program_passes(tiny_model
 
     recipe = load_recipe("cpu-fp32")
     model = load_model(tiny_models["llama"], None, False, pipeline=False).model.eval()
-    ref = reference(model, recipe, transformers=True)
+    layout = probe_layout(model, True, "cpu")
+    ref = reference(DECODER, model, layout, recipe, transformers=True)
     wrong = load_model(tiny_models["llama"], None, False, pipeline=False).model.eval()
     with torch.no_grad():
         wrong.model.layers[0].mlp.down_proj.weight.mul_(1.05)
-    layout = probe_layout(model, True, "cpu")
     gen = recipe.generation
     step = DecoderStep(model, True)
     steps = Steps(step, step, layout, gen.max_cache_len, torch.float32, "cpu", decode_one=DecoderStep(wrong, True))

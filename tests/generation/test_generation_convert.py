@@ -152,7 +152,7 @@ def test_a_decoder_transformers_cannot_switch_says_so_per_site():
     why, instead of a report with no sites. (Falcon was such a model until transformers 5.25 moved it onto the
     interface; BLOOM is one on every transformers this project supports.)"""
     pytest.importorskip("transformers")
-    from exporter.generation.run import eager_sites, sdpa_refusal
+    from exporter.generation.attention import eager_sites, sdpa_refusal
     from exporter.testing.architectures import by_name
 
     model = by_name("bloom").build()

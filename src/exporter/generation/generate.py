@@ -14,11 +14,12 @@ from ..dtypes import torch_dtype
 from ..errors import EnvironmentProblem, InputsError, UsageError, describe
 from .cache import CacheLayout
 from .driver import Prompt, generate, load_steps
+from .encoder_decoder import ENCODER_DECODER
 from .seq2seq import TASKS as SEQ2SEQ_TASKS
 from .seq2seq import Seq2SeqLayout, Source
 from .seq2seq import check_fits as seq2seq_check_fits
 from .seq2seq import generate as seq2seq_generate
-from .session import check_setup, read_setup, seq2seq_steps
+from .session import check_setup, read_setup
 
 
 def generate_tokens(out_dir: str | Path, target: str, prompts: list[list[int]], max_new_tokens: int | None = None,
@@ -92,7 +93,8 @@ def _seq2seq_tokens(folder: Path, target: str, setup: dict, prompts: list[list[i
     _device_here(folder, setup["device"])
     new_tokens = _new_tokens(setup, max_new_tokens)
     seq2seq_check_fits(new_tokens, setup["cache_length"])
-    picked, _ = seq2seq_generate(seq2seq_steps(target, folder, setup), source, new_tokens, keep_logits=False)
+    steps = ENCODER_DECODER.load_steps(target, folder, setup)
+    picked, _ = seq2seq_generate(steps, source, new_tokens, keep_logits=False)
     return picked.tolist()
 
 

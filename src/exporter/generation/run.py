@@ -1,14 +1,17 @@
-"""``exporter convert --task text-generation``: a decoder's prefill and decode programs, judged and timed.
+"""``exporter convert --task text-generation`` (and the encoder-decoders' ``text2text-generation``,
+``automatic-speech-recognition``): a model's prefill and decode programs, judged step by step and timed.
 
-    load -> prompts -> reference generation (float64, no cache) -> eager baseline (teacher-forced)
-         -> attention to SDPA -> export prefill + decode -> build targets -> judge and time each -> report
+    load -> cache layout -> prompts -> reference generation (float64, no cache) -> eager baseline (teacher-forced)
+         -> [quantize -> reference again] -> attention to SDPA -> export prefill + decode -> build targets
+         -> judge and time each -> report
 
-This module is the order of those stages; each does its work where the forward convert's does (``checkpoint``,
-``rewrite``, ``targets``: ``build_decoder``, ``runners.run_session``, ``measure``, ``report.generation``).
-Everything a target is judged on is computed here once and stored in the output folder (``generation.json``:
-cache layout, sizes and each step's bar; ``reference/generation.safetensors``: the prompts, the reference's
-tokens and its float64 logits per step), so ``exporter verify`` re-judges a target with the same bars. Each
-target is judged and timed in a process of its own (``generation.session``).
+This module is the order of those stages, for every family (:mod:`exporter.generation.family`: a decoder's or an
+encoder-decoder's); each does its work where the forward convert's does (``checkpoint``, ``rewrite``,
+``targets``: ``build_decoder``, ``runners.run_session``, ``measure``, ``report.generation``). Everything a target
+is judged on is computed here once and stored in the output folder (``generation.json``: cache layout, sizes and
+each step's bar; ``reference/generation.safetensors``: the prompts, the reference's tokens and its float64 logits
+per step), so ``exporter verify`` re-judges a target with the same bars. Each target is judged and timed in a
+process of its own (``generation.session``).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import gc
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +31,7 @@ from ..checkpoint import LoadedModel, load_model
 from ..checkpoint.files import Checkpoint
 from ..dtypes import torch_dtype
 from ..environment import check_space, space_needs
-from ..errors import ArchitectureError, describe
+from ..errors import describe
 from ..modelio import attention_implementation
 from ..numerics.tolerance import relative_floor
 from ..outdir import file_entry, sha256_file, write_json
@@ -37,163 +40,74 @@ from ..quantize.stage import quantize_decoder
 from ..recipe import Recipe
 from ..report.generation import assemble_generation
 from ..results import FAILED, NUMERICS_FAILED, OK, SKIPPED
-from ..rewrite.audit import REWRITTEN, AttentionAudit, Site
-from ..rewrite.audit import SKIPPED as SITE_SKIPPED
-from ..rewrite.transformers_interface import KIND, _recording
-from ..rewrite.transformers_interface import RULE as SITE_RULE
+from ..rewrite.audit import AttentionAudit
 from ..runners import run_session
 from ..targets.context import DecoderPrograms, build_decoder, decoder_attention
 from . import bench
-from .cache import CacheLayout, DecoderStep, probe_layout
-from .driver import Prompt, Steps, generate
+from .attention import eager_sites, sdpa_refusal
+from .family import Family, family_for
 from .judge import judge_steps, step_bars
-from .programs import export_steps
-from .reference import forced_logits, reference_generation
-from .session import MANIFEST, REFERENCE, finite, time_target
-
-
-def make_prompt(vocab: int, batch: int, length: int, seed: int) -> Prompt:
-    """Random token ids (seeded); odd rows left-padded by a quarter of the length (at least one token)."""
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (batch, length), generator=generator)
-    mask = torch.ones(batch, length, dtype=torch.long)
-    pad = max(1, length // 4)
-    mask[1::2, :pad] = 0
-    ids[mask == 0] = 0
-    return Prompt(ids, mask)
-
-
-def audit_sites(model: torch.nn.Module, device: str, transformers: bool) -> AttentionAudit:
-    """The attention sites one decode step dispatched through transformers' SDPA entry (transformers models);
-    a factory model's attention is read from the exported programs' graphs (``decoder_attention``)."""
-    audit = AttentionAudit()
-    if not transformers:
-        audit.notes.append("factory decoder: its attention runs as written; the programs' SDPA and softmax nodes "
-                           "are counted below")
-        return audit
-    names = {id(m): n for n, m in model.named_modules()}
-    calls: list[dict[str, Any]] = []
-    with _recording(calls):  # one step of the model, each attention's SDPA call recorded
-        probe_layout(model, True, device)
-    seen: set[int] = set()
-    for call in calls:
-        if id(call["module"]) in seen:
-            continue
-        seen.add(id(call["module"]))
-        q, k = call["query"], call["key"]
-        audit.sites.append(Site(location=names.get(id(call["module"]), "attention"), kind=KIND, status=REWRITTEN,
-                                rule=SITE_RULE, causal=True, masked=True,
-                                grouped_query=len(q) == 4 and len(k) == 4 and q[1] != k[1],
-                                heads=q[1] if len(q) == 4 else None, kv_heads=k[1] if len(k) == 4 else None,
-                                head_dim=q[-1] if q else None))
-    return audit
-
-
-def sdpa_refusal(model: torch.nn.Module, transformers: bool) -> str | None:
-    """Why transformers will not run this model's attention through SDPA (Gemma2: its scores are soft-capped);
-    None when it will. The model then keeps its eager attention, and each site says why."""
-    if not transformers:
-        return None
-    hf: Any = model  # a transformers PreTrainedModel
-    if not hf._can_set_attn_implementation():  # BLOOM: set_attn_implementation would only warn
-        return (f"transformers cannot switch {type(model).__name__} to SDPA once it is built (it does not dispatch "
-                "attention through AttentionInterface); the forward convert's graph rule rewrites it, the decode "
-                "programs keep it as written")
-    try:
-        with attention_implementation(model, "sdpa"):
-            pass
-    except (ValueError, ImportError) as exc:
-        first = str(exc).split(". ")[0].strip()
-        softcap = getattr(getattr(model, "config", None), "attn_logit_softcapping", None)
-        if softcap:
-            return (f"its scores are soft-capped (tanh, attn_logit_softcapping = {softcap:g}), which SDPA has no "
-                    f"equivalent for; transformers refuses SDPA for it ({first})")
-        return f"transformers refuses SDPA for it ({first})"
-    return None
-
-
-def eager_sites(model: torch.nn.Module, reason: str) -> AttentionAudit:
-    """Each attention module of a model kept on eager attention, left as written with ``reason``."""
-    audit = AttentionAudit()
-    outer: list[str] = []
-    for name, module in model.named_modules():
-        if type(module).__name__.endswith("Attention") and not any(name.startswith(o + ".") for o in outer):
-            outer.append(name)
-            audit.sites.append(Site(location=name, kind=f"{type(module).__name__} (eager)", status=SITE_SKIPPED,
-                                    rule=SITE_RULE, reason=reason, causal=True))
-    return audit
-
-
-def check_window(config: Any, cache_length: int) -> None:
-    """A sliding-window attention narrower than the cache would see keys the step's mask shows it: refused."""
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None) or []
-    uses = getattr(config, "use_sliding_window", True) and (not layer_types or "sliding_attention" in layer_types)
-    if isinstance(window, int) and uses and window < cache_length:
-        raise ArchitectureError(f"the model's attention looks back at most {window} tokens (sliding_window) but the "
-                                f"cache holds {cache_length}: the static cache does not implement sliding windows",
-                                f"convert with --set generation.max_cache_len={window} or less")
-
-
-def check_positions(model: Any, cache_length: int) -> None:
-    """A cache longer than the model has positions: a step past them reads a position embedding out of bounds
-    (generate would die there, at run time): refused before anything is built."""
-    from ..inputs import position_limit  # noqa: PLC0415
-
-    found = position_limit(model, "input_ids")
-    if found is not None and cache_length > found[0]:
-        limit, source = found
-        raise ArchitectureError(f"the model has {limit} positions ({source}) but the cache holds {cache_length}",
-                                f"convert with --set generation.max_cache_len={limit} or less")
+from .session import MANIFEST, REFERENCE, finite
 
 
 @dataclass
 class Reference:
-    """What every candidate is judged against: the prompts, the float64 reference's tokens and logits, the eager
-    model's teacher-forced logits in the recipe's dtype, and the per-step bars made from them."""
+    """What every candidate is judged against: the prompts (a decoder's token ids, an encoder-decoder's sources),
+    the float64 reference's tokens and logits, the eager model's teacher-forced logits in the recipe's dtype, and
+    the per-step bars made from them."""
 
-    prompt: Prompt
+    prompt: Any
     tokens: torch.Tensor
     logits: torch.Tensor
     baseline: torch.Tensor
     bars: list[dict[str, Any]]
     k: float
-    vocab: int
 
 
-def reference(model: torch.nn.Module, recipe: Recipe, transformers: bool) -> Reference:
+def prompt_tensors(prompt: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``Prompt``'s or a ``Source``'s two tensors: the values and their mask."""
+    values, mask = (getattr(prompt, f.name) for f in fields(prompt))
+    return values, mask
+
+
+def reference(family: Family, model: torch.nn.Module, layout: Any, recipe: Recipe, transformers: bool) -> Reference:
     """The original model generating greedily in float64 without a cache, then teacher-forced in the recipe's
-    dtype (the eager error each step's bar is made from); the model is left in the recipe's dtype."""
-    gen, device, dtype = recipe.generation, recipe.runtime.device, recipe.runtime.dtype
+    dtype (the eager error each step's bar is made from); the model is left in the recipe's dtype, and so is a
+    prompt of floats (a speech model's features)."""
+    gen, device, dtype = recipe.generation, recipe.runtime.device, torch_dtype(recipe.runtime.dtype)
     with attention_implementation(model, "eager"):
         model.to(torch.float64)
-        vocab = probe_layout(model, transformers, device).vocab
-        prompt = make_prompt(vocab, gen.batch, gen.prompt_length, recipe.inputs.seed)
-        tokens, logits = reference_generation(model, prompt, gen.new_tokens, device, transformers)
-        model.to(torch_dtype(dtype))
-        baseline = forced_logits(model, prompt, tokens, device, transformers)
-    k = recipe.numerics.multiplier(dtype)
-    bars = step_bars(logits, baseline, k, relative_floor(recipe.numerics.floor, dtype), recipe.numerics.atol)
-    return Reference(prompt, tokens, logits, baseline, bars, k, vocab)
+        prompt = family.prompt(layout, recipe)
+        tokens, logits = family.reference(model, prompt, layout, gen.new_tokens, device, transformers)
+        model.to(dtype)
+        values, mask = prompt_tensors(prompt)
+        if values.is_floating_point():
+            prompt = type(prompt)(values.to(dtype), mask)
+        baseline = family.forced(model, prompt, layout, tokens, device, transformers)
+    k = recipe.numerics.multiplier(recipe.runtime.dtype)
+    bars = step_bars(logits, baseline, k, relative_floor(recipe.numerics.floor, recipe.runtime.dtype),
+                     recipe.numerics.atol)
+    return Reference(prompt, tokens, logits, baseline, bars, k)
 
 
-def write_setup(staging: Path, recipe: Recipe, ref: Reference, layout: CacheLayout, model: torch.nn.Module) -> dict:
+def write_setup(family: Family, staging: Path, recipe: Recipe, ref: Reference, layout: Any,
+                model: torch.nn.Module) -> dict[str, Any]:
     """``generation.json`` and ``reference/generation.safetensors``: what a target's session is judged and timed
     with, here and in ``exporter verify``."""
     gen, device = recipe.generation, recipe.runtime.device
     setup: dict[str, Any] = {
-        "task": "text-generation", "device": device, "dtype": recipe.runtime.dtype,
+        "task": recipe.model.task, "device": device, "dtype": recipe.runtime.dtype,
         "attention_backend": recipe.runtime.attention_backend, "cache_length": gen.max_cache_len,
         "batch": gen.batch, "prompt_length": gen.prompt_length, "new_tokens": gen.new_tokens,
-        "layout": layout.to_dict(),
+        **family.setup(model, layout, recipe), "layout": layout.to_dict(),
         "numerics": {"k": ref.k, "atol": recipe.numerics.atol, "floor": recipe.numerics.floor, "bars": ref.bars},
         "timing": {"tokens": gen.bench_tokens, "warmup": recipe.bench.warmup, "rounds": recipe.bench.rounds,
-                   "cuda_graph": gen.cuda_graph, "weight_bytes": bench.weight_bytes(model),
+                   "cuda_graph": gen.cuda_graph, "weight_bytes": family.weight_bytes(model),
                    "copy_bytes_per_s": bench.copy_bandwidth(device)},
     }
     (staging / "reference").mkdir(exist_ok=True)
-    save_file({"prompt_ids": ref.prompt.input_ids.contiguous(), "prompt_mask": ref.prompt.mask.contiguous(),
-               "tokens": ref.tokens.contiguous(), "logits": ref.logits.double().contiguous()},
+    stored = dict(zip(family.stored, (t.contiguous() for t in prompt_tensors(ref.prompt))))
+    save_file({**stored, "tokens": ref.tokens.contiguous(), "logits": ref.logits.double().contiguous()},
               str(staging / REFERENCE))
     write_json(staging / MANIFEST, setup)
     return setup
@@ -245,20 +159,6 @@ def build_and_judge(entry: dict[str, Any], programs: DecoderPrograms, recipe: Re
         entry["error"] = "; ".join(result["numerics"]["failures"][:2]) or "NaN/Inf in the logits"
 
 
-def benchmark_eager(model: torch.nn.Module, prompt: Prompt, recipe: Recipe, transformers: bool,
-                    timing: dict[str, Any]) -> dict[str, Any]:
-    """transformers' own ``generate()`` at batch 1 and at the recipe's batch (a factory model has none)."""
-    eager: dict[str, Any] = {}
-    if transformers:
-        for label, which in (("batch_1", prompt.row(0)), ("batch", prompt)):
-            eager[label] = bench.time_eager_generate(model, which, recipe.generation.bench_tokens,
-                                                     recipe.runtime.device, recipe.bench.rounds,
-                                                     recipe.bench.max_seconds / 2)  # two batch sizes
-            eager[label]["bandwidth"] = bench.bandwidth(eager[label], timing["weight_bytes"],
-                                                        timing["copy_bytes_per_s"])
-    return eager
-
-
 def decode_speedups(artifacts: list[dict[str, Any]], eager: dict[str, Any]) -> None:
     """Each artifact's decode against eager ``generate()`` at the same batch."""
     for entry in artifacts:
@@ -273,13 +173,31 @@ def decode_speedups(artifacts: list[dict[str, Any]], eager: dict[str, Any]) -> N
         entry["bench"]["decode_speedup_vs_eager_generate"] = speedups
 
 
-def generation_section(recipe: Recipe, ref: Reference, layout: CacheLayout, setup: dict[str, Any],
+def benchmark_eager(family: Family, model: torch.nn.Module, ref: Reference, layout: Any, recipe: Recipe,
+                    transformers: bool, timing: dict[str, Any], warnings: list[str]) -> dict[str, Any]:
+    """transformers' own ``generate()`` at batch 1 and at the recipe's batch (a factory model has none); where it
+    cannot run on this model (Whisper's needs a generation config with its task tokens), the reason is a warning
+    and there is no baseline."""
+    eager: dict[str, Any] = {}
+    if not transformers:
+        return eager
+    for label, which in (("batch_1", ref.prompt.row(0)), ("batch", ref.prompt)):
+        try:
+            eager[label] = family.eager_generate(model, which, layout, recipe)
+        except Exception as exc:
+            warnings.append(f"eager generate() could not be timed: {describe(exc, 200)}")
+            return {}
+        eager[label]["bandwidth"] = bench.bandwidth(eager[label], timing["weight_bytes"], timing["copy_bytes_per_s"])
+    return eager
+
+
+def generation_section(family: Family, recipe: Recipe, ref: Reference, layout: Any, setup: dict[str, Any],
                        eager_verdict: dict[str, Any]) -> dict[str, Any]:
     gen = recipe.generation
     return {
         "batch": gen.batch, "prompt_length": gen.prompt_length, "cache_length": gen.max_cache_len,
-        "new_tokens": gen.new_tokens, "bench_tokens": gen.bench_tokens, "layout": layout.to_dict(),
-        "padded_rows": [r for r in range(gen.batch) if r % 2 == 1], "pad_tokens": max(1, gen.prompt_length // 4),
+        "new_tokens": gen.new_tokens, "bench_tokens": gen.bench_tokens,
+        **family.section(layout, ref.prompt, setup, recipe),
         "reference_tokens": ref.tokens.tolist(),
         "eager": {"tokens_identical": bool(torch.equal(ref.baseline.argmax(-1).T, ref.tokens)),
                   "numerics": eager_verdict},
@@ -291,82 +209,77 @@ def generation_section(recipe: Recipe, ref: Reference, layout: CacheLayout, setu
 def convert_generation(checkpoint: Path, recipe: Recipe, staging: Path, allow_drift: bool, allow_pickle: bool,
                        progress: Progress) -> tuple[dict[str, Any], Checkpoint]:
     t_start = time.perf_counter()
+    family = family_for(recipe.model.task)
     gen, device, dtype = recipe.generation, recipe.runtime.device, recipe.runtime.dtype
     warnings: list[str] = []
     (staging / "logs").mkdir(exist_ok=True)
 
     with progress.stage("load", str(checkpoint)):
-        loaded: LoadedModel = load_model(checkpoint, recipe.model.factory, allow_pickle,
-                                               pipeline=False)
+        loaded: LoadedModel = load_model(checkpoint, recipe.model.factory, allow_pickle, pipeline=False)
         model = loaded.model.eval()
         transformers = loaded.architecture.is_transformers
-        check_window(getattr(model, "config", None), gen.max_cache_len)
-        check_positions(model, gen.max_cache_len)
     if device != "cpu":
         with progress.stage("to device", device):
             model.to(device)
             gc.collect()
+    refused = sdpa_refusal(model, transformers) if recipe.runtime.rewrite_attention else None
+    implementation = "sdpa" if recipe.runtime.rewrite_attention and refused is None else "eager"
+    with attention_implementation(model, implementation):  # the cache as the rewritten model's step writes it
+        layout = family.probe(model, recipe, transformers)
 
     with progress.stage("reference", f"original model, float64, greedy {gen.new_tokens} tokens, no cache"):
-        ref = reference(model, recipe, transformers)
+        ref = reference(family, model, layout, recipe, transformers)
     quantization = None
     if recipe.quantize.enabled:  # the second question against the original's steps; the first against the quantized
         with progress.stage("quantize", recipe.quantize.scheme):
             original = ref  # teacher-forced on the original's tokens
             quantization = quantize_decoder(
-                model, recipe, lambda: forced_logits(model, original.prompt, original.tokens, device, transformers),
+                model, recipe,
+                lambda: family.forced(model, original.prompt, layout, original.tokens, device, transformers),
                 ref.logits, ref.baseline)
             if not quantization.cost.passed:
                 progress.warn(f"quantization budget: {quantization.cost.error()}")
         with progress.stage("reference (quantized)",
                             f"quantized model, float64, greedy {gen.new_tokens} tokens, no cache"):
-            ref = reference(model, recipe, transformers)
+            ref = reference(family, model, layout, recipe, transformers)
         gc.collect()
         if device.startswith("cuda"):  # cached float64 blocks would crowd the targets' own processes
             torch.cuda.empty_cache()
     eager_verdict = judge_steps("eager", ref.logits, ref.tokens, list(ref.baseline.float()), None, ref.bars, ref.k,
                                 recipe.numerics.atol)
 
-    refused = sdpa_refusal(model, transformers) if recipe.runtime.rewrite_attention else None
-    implementation = "sdpa" if recipe.runtime.rewrite_attention and refused is None else "eager"
     with attention_implementation(model, implementation):  # the rewrite: transformers' SDPA attention
         with progress.stage("rewrite attention"):
-            layout = probe_layout(model, transformers, device)
-            step = DecoderStep(model, transformers, layout.padding_mask_2d)
             if refused is not None:
                 audit = eager_sites(model, refused)
             elif recipe.runtime.rewrite_attention:
-                audit = audit_sites(model, device, transformers)
+                audit = family.audit(model, layout, device, transformers)
             else:
                 audit = AttentionAudit(notes=["rewrite off (--no-rewrite): attention runs as written"])
             progress.info(f"attention sites: {audit.found} found, {audit.count('rewritten')} rewritten")
-        setup = write_setup(staging, recipe, ref, layout, model)
+        setup = write_setup(family, staging, recipe, ref, layout, model)
 
-        steps_local = Steps(step, step, layout, gen.max_cache_len, torch_dtype(dtype), device)
+        local = family.local_steps(model, layout, recipe, transformers)
         with progress.stage("validate rewritten", "the rewritten model on the static cache, not exported"):
-            _, logits = generate(steps_local, ref.prompt, gen.new_tokens, forced=ref.tokens)
-            free, _ = generate(steps_local, ref.prompt, gen.new_tokens, keep_logits=False)
+            _, logits = family.generate(local, ref.prompt, gen.new_tokens, forced=ref.tokens)
+            free, _ = family.generate(local, ref.prompt, gen.new_tokens, keep_logits=False)
             verdict = judge_steps("rewritten", ref.logits, ref.tokens, logits, free, ref.bars, ref.k,
                                   recipe.numerics.atol)
             rewritten: dict[str, Any] = {"name": "rewritten", "status": OK if verdict["passed"] else NUMERICS_FAILED,
-                                         "error": None, "numerics": verdict}
-            if not verdict["passed"]:
-                rewritten["error"] = "; ".join(verdict["failures"][:2])
+                                         "error": None if verdict["passed"] else "; ".join(verdict["failures"][:2]),
+                                         "numerics": verdict}
 
         artifacts = [artifact_entry(name, device, dtype) for name in recipe.targets.build]
-        refusals = {entry["target"]: targets.get(entry["target"]).decoder_refusal(device, dtype)
-                    for entry in artifacts}
-        wanted = [entry for entry in artifacts if refusals[entry["target"]] is None]
+        refusals = {entry["target"]: family.refusal(entry["target"], device, dtype) for entry in artifacts}
+        wanted = [entry["target"] for entry in artifacts if refusals[entry["target"]] is None]
         programs = None
         if wanted:
             check_space(space_needs(recipe, model, staging, decoder=True))
-            with progress.stage("export", "prefill and decode programs"):
+            with progress.stage("export", family.programs):
                 try:
-                    programs = export_steps(step, layout, gen.batch, gen.prompt_length, gen.max_cache_len,
-                                            torch_dtype(dtype), device, fuse=gen.fuse_projections,
-                                            past=any(entry["target"] == "onnx" for entry in wanted),
-                                            one=gen.decode_batch_1 and any(targets.get(entry["target"]).decoder_one
-                                                                           for entry in wanted))
+                    programs = family.export(model, layout, recipe, transformers, past="onnx" in wanted,
+                                             one=gen.decode_batch_1 and any(targets.get(t).decoder_one
+                                                                            for t in wanted))
                 except Exception as exc:
                     warnings.append(f"export failed: {describe(exc)}")
                     (staging / "logs" / "export.log").write_text(repr(exc), encoding="utf-8")
@@ -380,14 +293,15 @@ def convert_generation(checkpoint: Path, recipe: Recipe, staging: Path, allow_dr
                 build_and_judge(entry, programs, recipe, staging, progress)
 
     with progress.stage("benchmark eager"):
-        eager_bench = benchmark_eager(model, ref.prompt, recipe, transformers, setup["timing"])
+        eager_bench = benchmark_eager(family, model, ref, layout, recipe, transformers, setup["timing"], warnings)
         with attention_implementation(model, implementation):
-            rewritten["bench"] = time_target(steps_local, ref.prompt, setup["timing"])
+            rewritten["bench"] = family.time(local, ref.prompt, setup["timing"])
     decode_speedups(artifacts, eager_bench)
 
     report = assemble_generation(
         recipe=recipe, checkpoint=checkpoint, loaded=loaded, audit=audit, rewritten=rewritten, artifacts=artifacts,
-        generation=generation_section(recipe, ref, layout, setup, eager_verdict), eager_bench=eager_bench, k=ref.k,
-        allow_drift=allow_drift, warnings=warnings, timings=progress.timings,
-        total_s=time.perf_counter() - t_start, transformers=transformers, quantization=quantization)
+        generation=generation_section(family, recipe, ref, layout, setup, eager_verdict), eager_bench=eager_bench,
+        k=ref.k, allow_drift=allow_drift, warnings=warnings, timings=progress.timings,
+        total_s=time.perf_counter() - t_start, transformers=transformers, quantization=quantization,
+        task=recipe.model.task)
     return finite(report), loaded.checkpoint

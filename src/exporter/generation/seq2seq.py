@@ -78,7 +78,8 @@ def encoder_decoder_cache(kv: list[torch.Tensor], positions: torch.Tensor, first
 
 class Seq2SeqStep(nn.Module):
     """One decode step (``first`` False) or the prefill (``first``: encoder and the first decoder step); see the
-    module's docstring. :func:`seq2seq_steps` makes the two with explicit signatures, as export needs."""
+    module's docstring. ``Seq2SeqPrefill`` and ``Seq2SeqDecode`` are the two with explicit signatures, as export
+    needs."""
 
     def __init__(self, model: nn.Module, first: bool):
         super().__init__()

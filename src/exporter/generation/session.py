@@ -19,26 +19,18 @@ import json
 import math
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file
 
-from .. import targets
 from ..attention_backend import backend_context
-from ..dtypes import torch_dtype
 from ..errors import UsageError, describe
 from ..measure.bench import synchronize
-from . import bench
-from .cache import CacheLayout
-from .driver import Prompt, Steps, generate, load_steps
+from .driver import Prompt, generate
+from .family import family_for, stored_prompt
 from .judge import judge_steps
-from .seq2seq import TASKS as SEQ2SEQ_TASKS
-from .seq2seq import Seq2SeqLayout, Seq2SeqSteps, Source
-from .seq2seq import generate as seq2seq_generate
-from .seq2seq_programs import time_seq2seq
 
 MANIFEST = "generation.json"
 REFERENCE = "reference/generation.safetensors"
@@ -95,33 +87,26 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     then free-running; a decoder's rows also alone at batch 1), then time them where the request asks."""
     folder = Path(request["folder"])
     setup, stored = read_setup(folder)
-    seq2seq, device = setup.get("task") in SEQ2SEQ_TASKS, setup["device"]
+    family, device = family_for(setup.get("task")), setup["device"]
     result: dict[str, Any] = {"target": request["target"]}
-    steps: Any
     with backend_context(setup["attention_backend"], device):
         t0 = time.perf_counter()
-        if seq2seq:
-            steps = seq2seq_steps(request["target"], folder, setup)
-        else:
-            steps = load_steps(request["target"], folder, CacheLayout.from_dict(setup["layout"]),
-                               setup["cache_length"], torch_dtype(setup["dtype"]), device)
+        steps = family.load_steps(request["target"], folder, setup)
         synchronize(device)
         result["load_s"] = time.perf_counter() - t0
-        given: Any = Source(stored["source_values"], stored["source_mask"]) if seq2seq else \
-            Prompt(stored["prompt_ids"], stored["prompt_mask"])
-        make: Any = seq2seq_generate if seq2seq else generate
+        prompt = stored_prompt(family, stored)
         ref_tokens, ref_logits = stored["tokens"], stored["logits"]
         count = int(request.get("steps") or ref_tokens.shape[1])
-        _, logits = make(steps, given, count, forced=ref_tokens[:, :count])
-        free, _ = make(steps, given, count, keep_logits=False)
+        _, logits = family.generate(steps, prompt, count, forced=ref_tokens[:, :count])
+        free, _ = family.generate(steps, prompt, count, keep_logits=False)
         numerics = setup["numerics"]
         result["numerics"] = judge_steps(request["target"], ref_logits[:count], ref_tokens[:, :count], logits, free,
                                          numerics["bars"], numerics["k"], numerics["atol"])
-        if not seq2seq:
+        if family.rows_alone:
             merge_batch_1(result["numerics"],
-                          judge_rows_alone(request["target"], steps, given, ref_tokens, ref_logits, count, numerics))
+                          judge_rows_alone(request["target"], steps, prompt, ref_tokens, ref_logits, count, numerics))
         if request.get("time"):
-            result["bench"] = (time_seq2seq_target if seq2seq else time_target)(steps, given, setup["timing"])
+            result["bench"] = family.time(steps, prompt, setup["timing"])
     return finite(result)
 
 
@@ -152,44 +137,6 @@ def merge_batch_1(verdict: dict[str, Any], alone: dict[str, Any]) -> None:
     verdict["failures"] = list(verdict["failures"]) + [f"batch 1: {f}" for f in alone["failures"]]
     if not alone["passed"] and not alone["failures"]:
         verdict["failures"].append("batch 1: NaN/Inf in the logits")
-
-
-def seq2seq_steps(target: str, folder: Path, setup: dict[str, Any]) -> Seq2SeqSteps:
-    """A built target's encoder-decoder programs in ``folder``, callable as ``Seq2SeqSteps``."""
-    loaded = targets.get(target).load_decoder(folder)
-    return Seq2SeqSteps(loaded.prefill, loaded.decode, Seq2SeqLayout.from_dict(setup["layout"]), setup["cache_length"],
-                        torch_dtype(setup["dtype"]), setup["device"], loaded.fresh_decode)
-
-
-def time_seq2seq_target(steps: Seq2SeqSteps, source: Source, timing: dict[str, Any]) -> dict[str, Any]:
-    """At batch 1 (the first source row, unpadded) and at the recipe's batch."""
-    out: dict[str, Any] = {}
-    for label, which in (("batch_1", source.row(0)), ("batch", source)):
-        timed = time_seq2seq(steps, which, timing["tokens"], timing["warmup"], timing["rounds"],
-                             graph=timing["cuda_graph"])
-        encoder = int(which.encoder_mask(steps.layout).shape[1])
-        per_token = timing["weight_bytes"] + steps.layout.bytes(which.batch, steps.cache_length, encoder, steps.dtype)
-        timed["bandwidth"] = bench.bandwidth(timed, per_token, timing.get("copy_bytes_per_s"))
-        out[label] = timed
-    return out
-
-
-def time_target(steps: Steps, prompt: Prompt, timing: dict[str, Any]) -> dict[str, Any]:
-    """At batch 1 (the prompt's first row, unpadded) and at the recipe's batch; with a decode program of batch 1,
-    batch 1 once more with the program of any batch (``batch_1_dynamic``: what the tuned program buys)."""
-    out: dict[str, Any] = {}
-    first = prompt.row(0)
-    runs = [("batch_1", first, steps), ("batch", prompt, steps)]
-    if steps.decode_one is not None:
-        runs.append(("batch_1_dynamic", first, replace(steps, decode_one=None, fresh_decode_one=None)))
-    for label, which, timed_steps in runs:
-        timed = bench.time_steps(timed_steps, which, timing["tokens"], timing["warmup"], timing["rounds"],
-                                 graph=timing["cuda_graph"])
-        bytes_per_token = timing["weight_bytes"] + steps.layout.bytes(which.input_ids.shape[0], steps.cache_length,
-                                                                       steps.dtype)
-        timed["bandwidth"] = bench.bandwidth(timed, bytes_per_token, timing.get("copy_bytes_per_s"))
-        out[label] = timed
-    return out
 
 
 def main(argv: list[str]) -> int:

@@ -1,0 +1,154 @@
+"""The decoder-only family (``--task text-generation``): a prompt of token ids, left-padded; one step
+(``cache.DecoderStep``) exported twice, as the prefill over the prompt and as the decode of one token; judged at
+the recipe's batch and at batch 1, each prompt row alone (with the decode program of batch 1 where a target built
+one). See :mod:`exporter.generation.family` for what a family says."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import targets
+from ..dtypes import torch_dtype
+from ..errors import ArchitectureError
+from ..recipe import Recipe
+from ..rewrite.audit import AttentionAudit
+from ..targets.context import DecoderPrograms
+from . import bench
+from .attention import recorded_sites
+from .cache import CacheLayout, DecoderStep, probe_layout
+from .driver import Prompt, Steps, generate, load_steps
+from .programs import export_steps
+from .reference import forced_logits, reference_generation
+
+
+def make_prompt(vocab: int, batch: int, length: int, seed: int) -> Prompt:
+    """Random token ids (seeded); odd rows left-padded by a quarter of the length (at least one token)."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, length), generator=generator)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    pad = max(1, length // 4)
+    mask[1::2, :pad] = 0
+    ids[mask == 0] = 0
+    return Prompt(ids, mask)
+
+
+def check_window(config: Any, cache_length: int) -> None:
+    """A sliding-window attention narrower than the cache would see keys the step's mask shows it: refused."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or []
+    uses = getattr(config, "use_sliding_window", True) and (not layer_types or "sliding_attention" in layer_types)
+    if isinstance(window, int) and uses and window < cache_length:
+        raise ArchitectureError(f"the model's attention looks back at most {window} tokens (sliding_window) but the "
+                                f"cache holds {cache_length}: the static cache does not implement sliding windows",
+                                f"convert with --set generation.max_cache_len={window} or less")
+
+
+def check_positions(model: Any, cache_length: int) -> None:
+    """A cache longer than the model has positions: a step past them reads a position embedding out of bounds
+    (generate would die there, at run time): refused before anything is built."""
+    from ..inputs import position_limit  # noqa: PLC0415
+
+    found = position_limit(model, "input_ids")
+    if found is not None and cache_length > found[0]:
+        limit, source = found
+        raise ArchitectureError(f"the model has {limit} positions ({source}) but the cache holds {cache_length}",
+                                f"convert with --set generation.max_cache_len={limit} or less")
+
+
+def time_target(steps: Steps, prompt: Prompt, timing: dict[str, Any]) -> dict[str, Any]:
+    """At batch 1 (the prompt's first row, unpadded) and at the recipe's batch; with a decode program of batch 1,
+    batch 1 once more with the program of any batch (``batch_1_dynamic``: what the tuned program buys)."""
+    out: dict[str, Any] = {}
+    first = prompt.row(0)
+    runs = [("batch_1", first, steps), ("batch", prompt, steps)]
+    if steps.decode_one is not None:
+        runs.append(("batch_1_dynamic", first, replace(steps, decode_one=None, fresh_decode_one=None)))
+    for label, which, timed_steps in runs:
+        timed = bench.time_steps(timed_steps, which, timing["tokens"], timing["warmup"], timing["rounds"],
+                                 graph=timing["cuda_graph"])
+        bytes_per_token = timing["weight_bytes"] + steps.layout.bytes(which.input_ids.shape[0], steps.cache_length,
+                                                                       steps.dtype)
+        timed["bandwidth"] = bench.bandwidth(timed, bytes_per_token, timing.get("copy_bytes_per_s"))
+        out[label] = timed
+    return out
+
+
+class Decoder:
+    prompt_class: type = Prompt
+    stored: tuple[str, str] = ("prompt_ids", "prompt_mask")
+    rows_alone: bool = True
+    programs: str = "prefill and decode programs"
+
+    def probe(self, model: torch.nn.Module, recipe: Recipe, transformers: bool) -> CacheLayout:
+        check_window(getattr(model, "config", None), recipe.generation.max_cache_len)
+        check_positions(model, recipe.generation.max_cache_len)
+        return probe_layout(model, transformers, recipe.runtime.device)
+
+    def prompt(self, layout: CacheLayout, recipe: Recipe) -> Prompt:
+        gen = recipe.generation
+        return make_prompt(layout.vocab, gen.batch, gen.prompt_length, recipe.inputs.seed)
+
+    def reference(self, model: torch.nn.Module, prompt: Prompt, layout: CacheLayout, new_tokens: int, device: str,
+                  transformers: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return reference_generation(model, prompt, new_tokens, device, transformers)
+
+    def forced(self, model: torch.nn.Module, prompt: Prompt, layout: CacheLayout, tokens: torch.Tensor, device: str,
+               transformers: bool) -> torch.Tensor:
+        return forced_logits(model, prompt, tokens, device, transformers)
+
+    def audit(self, model: torch.nn.Module, layout: CacheLayout, device: str, transformers: bool) -> AttentionAudit:
+        """A transformers model's sites as one decode step records them; a factory model's attention is read from
+        the exported programs' graphs (``decoder_attention``)."""
+        if not transformers:
+            return AttentionAudit(notes=["factory decoder: its attention runs as written; the programs' SDPA and "
+                                         "softmax nodes are counted below"])
+        return recorded_sites(model, lambda: probe_layout(model, True, device), decoder_only=True)
+
+    def local_steps(self, model: torch.nn.Module, layout: CacheLayout, recipe: Recipe, transformers: bool) -> Steps:
+        step = DecoderStep(model, transformers, layout.padding_mask_2d)
+        return Steps(step, step, layout, recipe.generation.max_cache_len, torch_dtype(recipe.runtime.dtype),
+                     recipe.runtime.device)
+
+    def refusal(self, target: str, device: str, dtype: str) -> str | None:
+        return targets.get(target).decoder_refusal(device, dtype)
+
+    def export(self, model: torch.nn.Module, layout: CacheLayout, recipe: Recipe, transformers: bool, past: bool,
+               one: bool) -> DecoderPrograms:
+        gen = recipe.generation
+        return export_steps(DecoderStep(model, transformers, layout.padding_mask_2d), layout, gen.batch,
+                            gen.prompt_length, gen.max_cache_len, torch_dtype(recipe.runtime.dtype),
+                            recipe.runtime.device, fuse=gen.fuse_projections, past=past, one=one)
+
+    def eager_generate(self, model: torch.nn.Module, prompt: Prompt, layout: CacheLayout,
+                       recipe: Recipe) -> dict[str, Any]:
+        return bench.time_eager_generate(model, prompt, recipe.generation.bench_tokens, recipe.runtime.device,
+                                         recipe.bench.rounds, recipe.bench.max_seconds / 2)  # two batch sizes
+
+    def weight_bytes(self, model: torch.nn.Module) -> int:
+        return bench.weight_bytes(model)
+
+    def setup(self, model: torch.nn.Module, layout: CacheLayout, recipe: Recipe) -> dict[str, Any]:
+        return {}
+
+    def section(self, layout: CacheLayout, prompt: Prompt, setup: dict[str, Any], recipe: Recipe) -> dict[str, Any]:
+        gen = recipe.generation
+        return {"layout": layout.to_dict(), "padded_rows": [r for r in range(gen.batch) if r % 2 == 1],
+                "pad_tokens": max(1, gen.prompt_length // 4)}
+
+    def load_steps(self, target: str, folder: Path, setup: dict[str, Any]) -> Steps:
+        return load_steps(target, folder, CacheLayout.from_dict(setup["layout"]), setup["cache_length"],
+                          torch_dtype(setup["dtype"]), setup["device"])
+
+    def generate(self, steps: Steps, prompt: Prompt, new_tokens: int, forced: torch.Tensor | None = None,
+                 keep_logits: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        return generate(steps, prompt, new_tokens, forced, keep_logits)
+
+    def time(self, steps: Steps, prompt: Prompt, timing: dict[str, Any]) -> dict[str, Any]:
+        return time_target(steps, prompt, timing)
+
+
+DECODER = Decoder()
