@@ -4,6 +4,7 @@
 # and AOTI, judged step by step against the float64 reference and timed against transformers' generate(); then
 # `exporter verify` on the folder and `exporter generate --target aoti` from it.
 #   bash benchmarks/gpu_seq2seq.sh t5|whisper [CONVERT OPTIONS...]   # one 10-minute call per model
+#   LAYERS=2 bash benchmarks/gpu_seq2seq.sh t5   # the same widths with 2 encoder and 2 decoder layers (a smoke)
 #   t5: a t5-small shape (6 + 6 layers, d_model 512, 8 heads, vocab 32128), --task text2text-generation
 #   whisper: a whisper-base shape (6 + 6 layers, d_model 512, 8 heads, 80 mel bins x 3000 frames, vocab 51865),
 #            --task automatic-speech-recognition
@@ -15,18 +16,19 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; work=/tmp/seq2seq; rm -rf "$work"; mkdir 
 {
   echo "machine: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
   python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
-  echo "model: $model shape, random weights; $(date -u +%F)"
+  echo "model: $model shape${LAYERS:+, $LAYERS + $LAYERS layers}, random weights; $(date -u +%F)"
 } | tee "$OUT/summary.md"
 start=$(date +%s)
-python3 - "$model" "$work/model" <<'PY'
+python3 - "$model" "$work/model" "${LAYERS:-6}" <<'PY'
 import sys, torch, transformers
 torch.manual_seed(0)
+layers = int(sys.argv[3])
 if sys.argv[1] == "t5":
-    config = transformers.T5Config(vocab_size=32128, d_model=512, d_kv=64, d_ff=2048, num_layers=6, num_heads=8,
+    config = transformers.T5Config(vocab_size=32128, d_model=512, d_kv=64, d_ff=2048, num_layers=layers, num_heads=8,
                                    decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
     model = transformers.T5ForConditionalGeneration(config)
 else:
-    config = transformers.WhisperConfig(vocab_size=51865, d_model=512, encoder_layers=6, decoder_layers=6,
+    config = transformers.WhisperConfig(vocab_size=51865, d_model=512, encoder_layers=layers, decoder_layers=layers,
                                         encoder_attention_heads=8, decoder_attention_heads=8, encoder_ffn_dim=2048,
                                         decoder_ffn_dim=2048, num_mel_bins=80, max_source_positions=1500,
                                         max_target_positions=448, decoder_start_token_id=50258, pad_token_id=50257,

@@ -42,9 +42,11 @@ def test_eager_generate_is_timed_within_its_budget(tiny_models):
     from exporter.generation.bench import time_eager_generate
 
     model = load_model(tiny_models["llama"]).model.eval()
-    prompt = Prompt(torch.ones(1, 6, dtype=torch.long), torch.ones(1, 6, dtype=torch.long))
-    assert time_eager_generate(model, prompt, 4, "cpu", rounds=3, max_seconds=1e-6)["rounds"] == 1
-    assert time_eager_generate(model, prompt, 4, "cpu", rounds=3)["rounds"] == 3
+    inputs = {"input_ids": torch.ones(1, 6, dtype=torch.long), "attention_mask": torch.ones(1, 6, dtype=torch.long),
+              "pad_token_id": 0}
+    assert time_eager_generate(model, inputs, 4, "cpu", rounds=3, max_seconds=1e-6)["rounds"] == 1
+    timed = time_eager_generate(model, inputs, 4, "cpu", rounds=3)
+    assert (timed["rounds"], timed["batch"], timed["prompt"]) == (3, 1, 6)
 
 
 def test_weight_bytes_count_an_embedding_table_only_where_a_tied_head_reads_it():

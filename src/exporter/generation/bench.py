@@ -114,18 +114,16 @@ def time_steps(steps: Steps, prompt: Prompt, tokens: int, warmup: int, rounds: i
                            rounds, graph)
 
 
-def time_eager_generate(model: nn.Module, prompt: Prompt, tokens: int, device: str, rounds: int,
+def time_eager_generate(model: nn.Module, inputs: dict[str, Any], tokens: int, device: str, rounds: int,
                         max_seconds: float = 0.0) -> dict[str, Any]:
-    """transformers' ``generate`` (greedy, its default cache): prefill = one new token; per token = the rest.
-    With ``max_seconds`` > 0 the rounds are cut (to one at least) so that the timing takes about that long: the
-    eager model is only the baseline, and a slow one must not hold a convert for minutes."""
-    ids, mask = prompt.input_ids.to(device), prompt.mask.to(device)
-
+    """transformers' ``generate`` (greedy, its default cache) given ``inputs`` (its keyword arguments, the prompt's
+    values first, on ``device``): prefill = one new token; per token = the rest. With ``max_seconds`` > 0 the rounds
+    are cut (to one at least) so that the timing takes about that long: the eager model is only the baseline, and a
+    slow one must not hold a convert for minutes."""
     hf: Any = model  # a transformers PreTrainedModel
 
     def run(n: int) -> None:
-        hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                       pad_token_id=0)
+        hf.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False)
 
     with torch.inference_mode():
         t0 = time.perf_counter()
@@ -136,10 +134,25 @@ def time_eager_generate(model: nn.Module, prompt: Prompt, tokens: int, device: s
         prefill = _median(lambda: run(1), device, 1, rounds)
         many = _median(lambda: run(tokens), device, 0, rounds)
     per_token = max(many - prefill, 0.0) / max(tokens - 1, 1)
-    batch = ids.shape[0]
-    return {"batch": batch, "prompt": prompt.length, "tokens": tokens, "rounds": rounds,
+    values = next(iter(inputs.values()))
+    batch = int(values.shape[0])
+    return {"batch": batch, "prompt": int(values.shape[-1]), "tokens": tokens, "rounds": rounds,
             "prefill": {"median_ms": prefill}, "decode": {"median_ms": per_token}, "decode_best_ms": per_token,
             "tokens_per_s": batch * 1e3 / per_token if per_token > 0 else None}
+
+
+def time_runs(runs: list[tuple[str, Any, Any]], time_one: Callable[..., dict[str, Any]],
+              cache_bytes: Callable[[Any], int], timing: dict[str, Any]) -> dict[str, Any]:
+    """Each ``(label, prompt, steps)`` of ``runs`` timed by ``time_one`` (``time_steps``, ``time_seq2seq``) as the
+    setup's ``timing`` says, with the bandwidth of the weights and ``cache_bytes(prompt)`` of cache read a token."""
+    out: dict[str, Any] = {}
+    for label, prompt, steps in runs:
+        timed = time_one(steps, prompt, timing["tokens"], timing["warmup"], timing["rounds"],
+                         graph=timing["cuda_graph"])
+        per_token = timing["weight_bytes"] + cache_bytes(prompt)
+        timed["bandwidth"] = bandwidth(timed, per_token, timing.get("copy_bytes_per_s"))
+        out[label] = timed
+    return out
 
 
 def bandwidth(timing: dict[str, Any], bytes_per_token: int, copy_bytes_per_s: float | None) -> dict[str, Any]:

@@ -21,76 +21,44 @@ from . import bench
 from .attention import recorded_sites
 from .cache import CacheLayout, DecoderStep, probe_layout
 from .driver import Prompt, Steps, generate, load_steps
+from .family import Family
 from .programs import export_steps
 from .reference import forced_logits, reference_generation
 
 
-def make_prompt(vocab: int, batch: int, length: int, seed: int) -> Prompt:
-    """Random token ids (seeded); odd rows left-padded by a quarter of the length (at least one token)."""
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (batch, length), generator=generator)
-    mask = torch.ones(batch, length, dtype=torch.long)
-    pad = max(1, length // 4)
-    mask[1::2, :pad] = 0
-    ids[mask == 0] = 0
-    return Prompt(ids, mask)
-
-
-def check_window(config: Any, cache_length: int) -> None:
-    """A sliding-window attention narrower than the cache would see keys the step's mask shows it: refused."""
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None) or []
-    uses = getattr(config, "use_sliding_window", True) and (not layer_types or "sliding_attention" in layer_types)
-    if isinstance(window, int) and uses and window < cache_length:
-        raise ArchitectureError(f"the model's attention looks back at most {window} tokens (sliding_window) but the "
-                                f"cache holds {cache_length}: the static cache does not implement sliding windows",
-                                f"convert with --set generation.max_cache_len={window} or less")
-
-
-def check_positions(model: Any, cache_length: int) -> None:
-    """A cache longer than the model has positions: a step past them reads a position embedding out of bounds
-    (generate would die there, at run time): refused before anything is built."""
-    from ..inputs import position_limit  # noqa: PLC0415
-
-    found = position_limit(model, "input_ids")
-    if found is not None and cache_length > found[0]:
-        limit, source = found
-        raise ArchitectureError(f"the model has {limit} positions ({source}) but the cache holds {cache_length}",
-                                f"convert with --set generation.max_cache_len={limit} or less")
-
-
-def time_target(steps: Steps, prompt: Prompt, timing: dict[str, Any]) -> dict[str, Any]:
-    """At batch 1 (the prompt's first row, unpadded) and at the recipe's batch; with a decode program of batch 1,
-    batch 1 once more with the program of any batch (``batch_1_dynamic``: what the tuned program buys)."""
-    out: dict[str, Any] = {}
-    first = prompt.row(0)
-    runs = [("batch_1", first, steps), ("batch", prompt, steps)]
-    if steps.decode_one is not None:
-        runs.append(("batch_1_dynamic", first, replace(steps, decode_one=None, fresh_decode_one=None)))
-    for label, which, timed_steps in runs:
-        timed = bench.time_steps(timed_steps, which, timing["tokens"], timing["warmup"], timing["rounds"],
-                                 graph=timing["cuda_graph"])
-        bytes_per_token = timing["weight_bytes"] + steps.layout.bytes(which.input_ids.shape[0], steps.cache_length,
-                                                                       steps.dtype)
-        timed["bandwidth"] = bench.bandwidth(timed, bytes_per_token, timing.get("copy_bytes_per_s"))
-        out[label] = timed
-    return out
-
-
-class Decoder:
-    prompt_class: type = Prompt
-    stored: tuple[str, str] = ("prompt_ids", "prompt_mask")
-    rows_alone: bool = True
-    programs: str = "prefill and decode programs"
+class Decoder(Family):
+    def __init__(self) -> None:
+        super().__init__(Prompt, ("prompt_ids", "prompt_mask"), rows_alone=True, programs="prefill and decode programs")
 
     def probe(self, model: torch.nn.Module, recipe: Recipe, transformers: bool) -> CacheLayout:
-        check_window(getattr(model, "config", None), recipe.generation.max_cache_len)
-        check_positions(model, recipe.generation.max_cache_len)
+        """A sliding-window attention narrower than the cache, or a cache longer than the model has positions (a
+        step past them reads a position embedding out of bounds), refused before anything is built."""
+        from ..inputs import position_limit  # noqa: PLC0415
+
+        cache_length, config = recipe.generation.max_cache_len, getattr(model, "config", None)
+        window = getattr(config, "sliding_window", None)
+        layer_types = getattr(config, "layer_types", None) or []
+        uses = getattr(config, "use_sliding_window", True) and (not layer_types or "sliding_attention" in layer_types)
+        if isinstance(window, int) and uses and window < cache_length:
+            raise ArchitectureError(f"the model's attention looks back at most {window} tokens (sliding_window) but "
+                                    f"the cache holds {cache_length}: the static cache does not implement sliding "
+                                    f"windows", f"convert with --set generation.max_cache_len={window} or less")
+        found = position_limit(model, "input_ids")
+        if found is not None and cache_length > found[0]:
+            limit, source = found
+            raise ArchitectureError(f"the model has {limit} positions ({source}) but the cache holds {cache_length}",
+                                    f"convert with --set generation.max_cache_len={limit} or less")
         return probe_layout(model, transformers, recipe.runtime.device)
 
     def prompt(self, layout: CacheLayout, recipe: Recipe) -> Prompt:
+        """Random token ids (seeded); odd rows left-padded by a quarter of the length (at least one token)."""
         gen = recipe.generation
-        return make_prompt(layout.vocab, gen.batch, gen.prompt_length, recipe.inputs.seed)
+        generator = torch.Generator().manual_seed(recipe.inputs.seed)
+        ids = torch.randint(0, layout.vocab, (gen.batch, gen.prompt_length), generator=generator)
+        mask = torch.ones(gen.batch, gen.prompt_length, dtype=torch.long)
+        mask[1::2, :max(1, gen.prompt_length // 4)] = 0
+        ids[mask == 0] = 0
+        return Prompt(ids, mask)
 
     def reference(self, model: torch.nn.Module, prompt: Prompt, layout: CacheLayout, new_tokens: int, device: str,
                   transformers: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,14 +93,13 @@ class Decoder:
 
     def eager_generate(self, model: torch.nn.Module, prompt: Prompt, layout: CacheLayout,
                        recipe: Recipe) -> dict[str, Any]:
-        return bench.time_eager_generate(model, prompt, recipe.generation.bench_tokens, recipe.runtime.device,
-                                         recipe.bench.rounds, recipe.bench.max_seconds / 2)  # two batch sizes
+        device = recipe.runtime.device
+        inputs = {"input_ids": prompt.input_ids.to(device), "attention_mask": prompt.mask.to(device), "pad_token_id": 0}
+        return bench.time_eager_generate(model, inputs, recipe.generation.bench_tokens, device, recipe.bench.rounds,
+                                         recipe.bench.max_seconds / 2)  # two batch sizes
 
     def weight_bytes(self, model: torch.nn.Module) -> int:
         return bench.weight_bytes(model)
-
-    def setup(self, model: torch.nn.Module, layout: CacheLayout, recipe: Recipe) -> dict[str, Any]:
-        return {}
 
     def section(self, layout: CacheLayout, prompt: Prompt, setup: dict[str, Any], recipe: Recipe) -> dict[str, Any]:
         gen = recipe.generation
@@ -148,7 +115,13 @@ class Decoder:
         return generate(steps, prompt, new_tokens, forced, keep_logits)
 
     def time(self, steps: Steps, prompt: Prompt, timing: dict[str, Any]) -> dict[str, Any]:
-        return time_target(steps, prompt, timing)
+        """At batch 1 (the prompt's first row, unpadded) and at the recipe's batch; with a decode program of batch
+        1, batch 1 once more with the program of any batch (``batch_1_dynamic``: what the tuned program buys)."""
+        runs = [("batch_1", prompt.row(0), steps), ("batch", prompt, steps)]
+        if steps.decode_one is not None:
+            runs.append(("batch_1_dynamic", prompt.row(0), replace(steps, decode_one=None, fresh_decode_one=None)))
+        return bench.time_runs(runs, bench.time_steps, lambda which: steps.layout.bytes(
+            which.input_ids.shape[0], steps.cache_length, steps.dtype), timing)
 
 
 DECODER = Decoder()

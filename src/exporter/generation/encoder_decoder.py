@@ -19,6 +19,7 @@ from ..rewrite.audit import AttentionAudit
 from ..targets.context import DecoderPrograms
 from . import bench
 from .attention import eager_sites, recorded_sites
+from .family import Family
 from .seq2seq import (
     SPEECH,
     TASKS,
@@ -35,72 +36,45 @@ from .seq2seq import (
     reference_generation,
     source_name,
 )
-from .seq2seq_programs import export_seq2seq, max_source, time_eager_generate, time_seq2seq
+from .seq2seq_programs import export_seq2seq, max_source, time_seq2seq
 
 BUILT_BY = ("exported_program", "aoti", "onnx")  # the targets with a writer for the programs with cross-attention
 
 
-def check_model(model: torch.nn.Module, task: str, transformers: bool) -> None:
-    """Only a transformers encoder-decoder generates here, text from ids or speech from features as ``task`` says."""
-    if not transformers or not is_encoder_decoder(model):
-        raise ArchitectureError(f"--task {task} needs a transformers encoder-decoder (T5, BART, Marian, Whisper); "
-                                f"{type(model).__name__} is not one",
-                                "use --task text-generation for a decoder-only model, or leave --task out")
-    speech = source_name(model) == "input_features"
-    if speech != (task == SPEECH):
-        wanted = "automatic-speech-recognition" if speech else "text2text-generation"
-        raise ArchitectureError(f"{type(model).__name__} reads {'speech features' if speech else 'token ids'}, "
-                                f"not what --task {task} generates from", f"convert with --task {wanted}")
-
-
-def check_lengths(model: torch.nn.Module, layout: Seq2SeqLayout, recipe: Recipe) -> None:
-    gen = recipe.generation
-    if gen.new_tokens + 1 > gen.max_cache_len:
-        raise ArchitectureError(f"the start token plus {gen.new_tokens} new tokens do not fit the {gen.max_cache_len}"
-                                "-slot cache", "raise generation.max_cache_len or lower generation.new_tokens")
-    config = model.config
-    limit = getattr(config, "max_target_positions", None) or (
-        getattr(config, "max_position_embeddings", None) if not hasattr(config, "relative_attention_num_buckets")
-        else None)
-    if limit and gen.max_cache_len > limit:
-        raise ArchitectureError(f"the decoder has {limit} positions but the cache holds {gen.max_cache_len}",
-                                f"convert with --set generation.max_cache_len={limit} or less")
-    if not layout.speech and gen.prompt_length > max_source(model, layout, 0):
-        raise ArchitectureError(f"a {gen.prompt_length}-token source is longer than the model's "
-                                f"{max_source(model, layout, 0)} positions",
-                                "lower generation.prompt_length")
-
-
-def _encoder(model: torch.nn.Module) -> torch.nn.Module | None:
-    """The encoder a decode step never runs (its keys and values are in the cache), for the bytes a step reads."""
-    get = getattr(model, "get_encoder", None)
-    encoder = get() if callable(get) else None
-    return encoder if isinstance(encoder, torch.nn.Module) else None
-
-
-def time_target(steps: Seq2SeqSteps, source: Source, timing: dict[str, Any]) -> dict[str, Any]:
-    """At batch 1 (the first source row, unpadded) and at the recipe's batch."""
-    out: dict[str, Any] = {}
-    for label, which in (("batch_1", source.row(0)), ("batch", source)):
-        timed = time_seq2seq(steps, which, timing["tokens"], timing["warmup"], timing["rounds"],
-                             graph=timing["cuda_graph"])
-        encoder = int(which.encoder_mask(steps.layout).shape[1])
-        per_token = timing["weight_bytes"] + steps.layout.bytes(which.batch, steps.cache_length, encoder, steps.dtype)
-        timed["bandwidth"] = bench.bandwidth(timed, per_token, timing.get("copy_bytes_per_s"))
-        out[label] = timed
-    return out
-
-
-class EncoderDecoder:
-    prompt_class: type = Source
-    stored: tuple[str, str] = ("source_values", "source_mask")
-    rows_alone: bool = False
-    programs: str = "prefill (encoder + first step) and decode programs"
+class EncoderDecoder(Family):
+    def __init__(self) -> None:
+        super().__init__(Source, ("source_values", "source_mask"), rows_alone=False,
+                         programs="prefill (encoder + first step) and decode programs")
 
     def probe(self, model: torch.nn.Module, recipe: Recipe, transformers: bool) -> Seq2SeqLayout:
-        check_model(model, recipe.model.task, transformers)
+        """Only a transformers encoder-decoder generates here, text from ids or speech from features as the task
+        says, with the start token and the new tokens within the cache, the cache within the decoder's positions
+        and a text source within the encoder's."""
+        task, gen = recipe.model.task, recipe.generation
+        if not transformers or not is_encoder_decoder(model):
+            raise ArchitectureError(f"--task {task} needs a transformers encoder-decoder (T5, BART, Marian, "
+                                    f"Whisper); {type(model).__name__} is not one",
+                                    "use --task text-generation for a decoder-only model, or leave --task out")
+        speech = source_name(model) == "input_features"
+        if speech != (task == SPEECH):
+            raise ArchitectureError(f"{type(model).__name__} reads {'speech features' if speech else 'token ids'}, "
+                                    f"not what --task {task} generates from", "convert with --task "
+                                    f"{'automatic-speech-recognition' if speech else 'text2text-generation'}")
         layout = probe_layout(model, recipe.runtime.device)
-        check_lengths(model, layout, recipe)
+        if gen.new_tokens + 1 > gen.max_cache_len:
+            raise ArchitectureError(f"the start token plus {gen.new_tokens} new tokens do not fit the "
+                                    f"{gen.max_cache_len}-slot cache",
+                                    "raise generation.max_cache_len or lower generation.new_tokens")
+        config = model.config
+        limit = getattr(config, "max_target_positions", None) or (
+            getattr(config, "max_position_embeddings", None) if not hasattr(config, "relative_attention_num_buckets")
+            else None)
+        if limit and gen.max_cache_len > limit:
+            raise ArchitectureError(f"the decoder has {limit} positions but the cache holds {gen.max_cache_len}",
+                                    f"convert with --set generation.max_cache_len={limit} or less")
+        if not layout.speech and gen.prompt_length > max_source(model, layout, 0):
+            raise ArchitectureError(f"a {gen.prompt_length}-token source is longer than the model's "
+                                    f"{max_source(model, layout, 0)} positions", "lower generation.prompt_length")
         return layout
 
     def prompt(self, layout: Seq2SeqLayout, recipe: Recipe) -> Source:
@@ -151,11 +125,19 @@ class EncoderDecoder:
 
     def eager_generate(self, model: torch.nn.Module, prompt: Source, layout: Seq2SeqLayout,
                        recipe: Recipe) -> dict[str, Any]:
-        return time_eager_generate(model, prompt, layout, recipe.generation.bench_tokens, recipe.runtime.device,
-                                   recipe.bench.rounds, recipe.bench.max_seconds / 2)
+        device, name = recipe.runtime.device, source_name(model)
+        values = prompt.values.to(device)
+        values = values.to(next(model.parameters()).dtype) if values.is_floating_point() else values
+        inputs = {name: values, "decoder_start_token_id": layout.start_token,
+                  **({"attention_mask": prompt.mask.to(device)} if name == "input_ids" else {})}
+        return bench.time_eager_generate(model, inputs, recipe.generation.bench_tokens, device, recipe.bench.rounds,
+                                         recipe.bench.max_seconds / 2)
 
     def weight_bytes(self, model: torch.nn.Module) -> int:
-        return bench.weight_bytes(model, _encoder(model))
+        """A decode step never runs the encoder (its keys and values are in the cache)."""
+        get = getattr(model, "get_encoder", None)
+        encoder = get() if callable(get) else None
+        return bench.weight_bytes(model, encoder if isinstance(encoder, torch.nn.Module) else None)
 
     def setup(self, model: torch.nn.Module, layout: Seq2SeqLayout, recipe: Recipe) -> dict[str, Any]:
         return {"max_source": max_source(model, layout, recipe.generation.prompt_length)}
@@ -185,7 +167,11 @@ class EncoderDecoder:
         return generate(steps, prompt, new_tokens, forced, keep_logits)
 
     def time(self, steps: Seq2SeqSteps, prompt: Source, timing: dict[str, Any]) -> dict[str, Any]:
-        return time_target(steps, prompt, timing)
+        """At batch 1 (the first source row, unpadded) and at the recipe's batch."""
+        return bench.time_runs([("batch_1", prompt.row(0), steps), ("batch", prompt, steps)], time_seq2seq,
+                               lambda which: steps.layout.bytes(which.batch, steps.cache_length,
+                                                                int(which.encoder_mask(steps.layout).shape[1]),
+                                                                steps.dtype), timing)
 
 
 ENCODER_DECODER = EncoderDecoder()

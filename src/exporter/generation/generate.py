@@ -10,16 +10,13 @@ import torch
 from safetensors.torch import load_file
 
 from .. import targets
-from ..dtypes import torch_dtype
 from ..errors import EnvironmentProblem, InputsError, UsageError, describe
 from .cache import CacheLayout
-from .driver import Prompt, generate, load_steps
-from .encoder_decoder import ENCODER_DECODER
+from .driver import Prompt, check_fits
 from .seq2seq import TASKS as SEQ2SEQ_TASKS
 from .seq2seq import Seq2SeqLayout, Source
 from .seq2seq import check_fits as seq2seq_check_fits
-from .seq2seq import generate as seq2seq_generate
-from .session import check_setup, read_setup
+from .session import check_setup, family_for, read_setup
 
 
 def generate_tokens(out_dir: str | Path, target: str, prompts: list[list[int]], max_new_tokens: int | None = None,
@@ -38,73 +35,64 @@ def generate_tokens(out_dir: str | Path, target: str, prompts: list[list[int]], 
         built = [t.name for t in targets.TARGETS if t.decoder_built(folder)]
         raise UsageError(f"target {target!r} has no decode program in {folder}",
                          f"choose one of the targets built there: {', '.join(built) or 'none'}")
-    if setup.get("task") in SEQ2SEQ_TASKS:
-        return _seq2seq_tokens(folder, target, setup, prompts, max_new_tokens, features)
-    if features is not None:
-        raise InputsError("--input-features given to a decoder's folder", "pass --input-ids; features are for a "
-                          "speech model converted with --task automatic-speech-recognition")
-    if not prompts or any(not p for p in prompts):
-        raise InputsError("no prompt tokens given", "pass --input-ids 1,2,3 (repeat it for more rows)")
-    layout = CacheLayout.from_dict(setup["layout"])
-    bad = sorted({t for p in prompts for t in p if not 0 <= t < layout.vocab})
-    if bad:
-        raise InputsError(f"token id(s) {bad[:5]} outside the vocabulary (0..{layout.vocab - 1})",
-                          "pass token ids of this model's tokenizer")
-    if len(prompts) > setup["batch"]:
-        raise InputsError(f"{len(prompts)} prompts; the programs take at most {setup['batch']} rows",
-                          "pass fewer --input-ids, or convert with a larger generation.batch")
+    seq2seq = setup.get("task") in SEQ2SEQ_TASKS
+    prompt = _source(prompts, features, setup) if seq2seq else _prompt(prompts, features, setup)
+    rows = int(prompt.mask.shape[0])
+    if rows > setup["batch"]:
+        raise InputsError(f"{rows} {'sources' if seq2seq else 'prompts'}; the programs take at most {setup['batch']} "
+                          "rows", f"pass fewer {'rows' if seq2seq else '--input-ids'}, or convert with a larger "
+                          "generation.batch")
     new_tokens = max_new_tokens if max_new_tokens is not None else setup["new_tokens"]
     if new_tokens < 1:
         raise InputsError(f"--max-new-tokens {new_tokens} must be at least 1", "pass a positive count")
+    if isinstance(prompt, Prompt):
+        check_fits(prompt, new_tokens, setup["cache_length"])
+    else:
+        seq2seq_check_fits(new_tokens, setup["cache_length"])
+    if setup["device"].startswith("cuda") and not torch.cuda.is_available():
+        raise EnvironmentProblem(f"{folder} was built for {setup['device']}; this machine has no usable GPU",
+                                 "run exporter generate on a machine like the one that built it")
+    family = family_for(setup.get("task"))
+    picked, _ = family.generate(family.load_steps(target, folder, setup), prompt, new_tokens, keep_logits=False)
+    return picked.tolist()
+
+
+def _prompt(prompts: list[list[int]], features: str | Path | None, setup: dict) -> Prompt:
+    """A decoder's prompts, left-padded into one batch."""
+    if features is not None:
+        raise InputsError("--input-features given to a decoder's folder", "pass --input-ids; features are for a "
+                          "speech model converted with --task automatic-speech-recognition")
+    _check_ids(prompts, CacheLayout.from_dict(setup["layout"]).vocab, "prompt")
     length = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), length, dtype=torch.long)
     mask = torch.zeros(len(prompts), length, dtype=torch.long)
     for row, tokens in enumerate(prompts):
         ids[row, length - len(tokens):] = torch.tensor(tokens)
         mask[row, length - len(tokens):] = 1
-    device = setup["device"]
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise EnvironmentProblem(f"{folder} was built for {device}; this machine has no usable GPU",
-                                 "run exporter generate on a machine like the one that built it")
-    steps = load_steps(target, folder, layout, setup["cache_length"], torch_dtype(setup["dtype"]), device)
-    picked, _ = generate(steps, Prompt(ids, mask), new_tokens, keep_logits=False)
-    return picked.tolist()
+    return Prompt(ids, mask)
 
 
-def _new_tokens(setup: dict, max_new_tokens: int | None) -> int:
-    new_tokens = max_new_tokens if max_new_tokens is not None else setup["new_tokens"]
-    if new_tokens < 1:
-        raise InputsError(f"--max-new-tokens {new_tokens} must be at least 1", "pass a positive count")
-    return new_tokens
+def _check_ids(prompts: list[list[int]], vocab: int, what: str) -> None:
+    if not prompts or any(not p for p in prompts):
+        raise InputsError(f"no {what} tokens given", "pass --input-ids 1,2,3 (repeat it for more rows)")
+    bad = sorted({t for p in prompts for t in p if not 0 <= t < vocab})
+    if bad:
+        raise InputsError(f"token id(s) {bad[:5]} outside the vocabulary (0..{vocab - 1})",
+                          "pass token ids of this model's tokenizer")
 
 
-def _seq2seq_tokens(folder: Path, target: str, setup: dict, prompts: list[list[int]], max_new_tokens: int | None,
-                    features: str | Path | None) -> list[list[int]]:
+def _source(prompts: list[list[int]], features: str | Path | None, setup: dict) -> Source:
+    """An encoder-decoder's sources: token ids right-padded into one batch, or a speech model's features."""
     layout = Seq2SeqLayout.from_dict(setup["layout"])
     if layout.speech:
-        source = _features_source(features, layout, prompts)
-    else:
-        if features is not None:
-            raise InputsError("--input-features given to a text encoder-decoder", "pass the source as --input-ids")
-        source = _ids_source(prompts, layout, setup)
-    if source.batch > setup["batch"]:
-        raise InputsError(f"{source.batch} sources; the programs take at most {setup['batch']} rows",
-                          "pass fewer rows, or convert with a larger generation.batch")
-    _device_here(folder, setup["device"])
-    new_tokens = _new_tokens(setup, max_new_tokens)
-    seq2seq_check_fits(new_tokens, setup["cache_length"])
-    steps = ENCODER_DECODER.load_steps(target, folder, setup)
-    picked, _ = seq2seq_generate(steps, source, new_tokens, keep_logits=False)
-    return picked.tolist()
+        return _features_source(features, layout, prompts)
+    if features is not None:
+        raise InputsError("--input-features given to a text encoder-decoder", "pass the source as --input-ids")
+    return _ids_source(prompts, layout, setup)
 
 
 def _ids_source(prompts: list[list[int]], layout: Seq2SeqLayout, setup: dict) -> Source:
-    if not prompts or any(not p for p in prompts):
-        raise InputsError("no source tokens given", "pass --input-ids 1,2,3 (repeat it for more rows)")
-    bad = sorted({t for p in prompts for t in p if not 0 <= t < layout.vocab})
-    if bad:
-        raise InputsError(f"token id(s) {bad[:5]} outside the vocabulary (0..{layout.vocab - 1})",
-                          "pass token ids of this model's tokenizer")
+    _check_ids(prompts, layout.vocab, "source")
     length = max(len(p) for p in prompts)
     if length < 2 or length > setup["max_source"]:
         raise InputsError(f"a {length}-token source; the programs take 2 to {setup['max_source']} tokens",
@@ -139,12 +127,6 @@ def _features_source(features: str | Path | None, layout: Seq2SeqLayout, prompts
         raise InputsError(f"--input-features holds {values.dtype} {list(values.shape)}; the programs take float "
                           f"[batch, {want}]", f"pass log-mel features of shape [batch, {want}]")
     return Source(values.float(), torch.ones(values.shape[0], layout.source_shape[1], dtype=torch.long))
-
-
-def _device_here(folder: Path, device: str) -> None:
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise EnvironmentProblem(f"{folder} was built for {device}; this machine has no usable GPU",
-                                 "run exporter generate on a machine like the one that built it")
 
 
 __all__ = ["generate_tokens"]

@@ -45,9 +45,9 @@ from ..runners import run_session
 from ..targets.context import DecoderPrograms, build_decoder, decoder_attention
 from . import bench
 from .attention import eager_sites, sdpa_refusal
-from .family import Family, family_for
+from .family import Family
 from .judge import judge_steps, step_bars
-from .session import MANIFEST, REFERENCE, finite
+from .session import MANIFEST, REFERENCE, family_for, finite
 
 
 @dataclass

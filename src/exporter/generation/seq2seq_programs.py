@@ -17,7 +17,6 @@ from typing import Any, Callable
 import torch
 
 from ..errors import describe
-from ..measure.bench import Timing, repeat
 from ..targets.context import DecoderPrograms
 from ..targets.exported_program import decomposition_table
 from .bench import time_decode, timed
@@ -182,34 +181,3 @@ def time_seq2seq(steps: Seq2SeqSteps, source: Source, tokens: int, warmup: int, 
         return time_decode(out, decode_all, lambda: steps.decode(mask, token, where, kv),
                            lambda: steps.fresh_decode() if steps.fresh_decode is not None else steps.decode,
                            lambda step: step(mask, token, where, kv), device, rounds, graph)
-
-
-def time_eager_generate(model: torch.nn.Module, source: Source, layout: Seq2SeqLayout, tokens: int, device: str,
-                        rounds: int, max_seconds: float) -> dict[str, Any]:
-    """transformers' ``generate()`` (greedy, its default cache) from the same source: prefill = one new token,
-    per token = the rest."""
-    from .seq2seq import source_name  # noqa: PLC0415
-
-    name = source_name(model)
-    values = source.values.to(device)
-    values = values.to(next(model.parameters()).dtype) if values.is_floating_point() else values
-    kwargs: dict[str, Any] = {name: values}
-    if name == "input_ids":
-        kwargs["attention_mask"] = source.mask.to(device)
-    hf: Any = model
-
-    def run(n: int) -> None:
-        hf.generate(**kwargs, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                    decoder_start_token_id=layout.start_token)
-
-    with torch.inference_mode():
-        t0 = time.perf_counter()
-        run(tokens)
-        once = time.perf_counter() - t0
-        rounds = max(1, min(rounds, int(max_seconds / max(2 * once, 1e-9)))) if max_seconds > 0 else rounds
-        prefill = Timing.of(repeat(lambda: run(1), rounds, device, 1)).median_ms
-        many = Timing.of(repeat(lambda: run(tokens), rounds, device, 0)).median_ms
-    per_token = max(many - prefill, 0.0) / max(tokens - 1, 1)
-    return {"batch": source.batch, "prompt": source.length, "tokens": tokens, "rounds": rounds,
-            "prefill": {"median_ms": prefill}, "decode": {"median_ms": per_token}, "decode_best_ms": per_token,
-            "tokens_per_s": source.batch * 1e3 / per_token if per_token > 0 else None}

@@ -28,8 +28,10 @@ from safetensors.torch import load_file
 from ..attention_backend import backend_context
 from ..errors import UsageError, describe
 from ..measure.bench import synchronize
+from .decoder import DECODER
 from .driver import Prompt, generate
-from .family import family_for, stored_prompt
+from .encoder_decoder import ENCODER_DECODER, TASKS
+from .family import Family
 from .judge import judge_steps
 
 MANIFEST = "generation.json"
@@ -80,6 +82,16 @@ def check_setup(folder: Path) -> None:
             raise IntegrityError(f"{rel} is not listed in {folder.name}'s manifest.json", fix)
         if not (folder / rel).is_file() or sha256_file(folder / rel) != recorded[rel]:
             raise IntegrityError(f"{rel} does not match its SHA-256 in manifest.json (changed after convert)", fix)
+
+
+def family_for(task: str | None) -> Family:
+    """The family that generates for ``task`` (a folder from before the task was recorded is a decoder's)."""
+    return ENCODER_DECODER if task in TASKS else DECODER
+
+
+def stored_prompt(family: Family, stored: dict[str, torch.Tensor]) -> Any:
+    """The prompt kept in the stored reference (``run.write_setup`` wrote it)."""
+    return family.prompt_class(*(stored[name] for name in family.stored))
 
 
 def run(request: dict[str, Any]) -> dict[str, Any]:
