@@ -253,3 +253,19 @@ class RunnerFailed(Exception):
 def failure_reason(exc: BaseException) -> str:
     """One line for the report: a runner's own reason, else the exception described."""
     return exc.reason if isinstance(exc, RunnerFailed) else describe(exc)
+
+
+class Problems:
+    """Every problem of one file or command line gathered, then raised as one ``error`` (``RecipeError``,
+    ``PlanError``) that names them all: a user fixes them in one pass, not one run each."""
+
+    def __init__(self, subject: str, error: type[ExporterError], hint: str):
+        self.subject, self.error, self.hint = subject, error, hint
+        self.items: list[str] = []
+
+    def add(self, where: str, what: str) -> None:
+        self.items.append(f"{where}: {what}")
+
+    def raise_if_any(self) -> None:
+        if self.items:
+            raise self.error(f"{self.subject} has {len(self.items)} problem(s): {'; '.join(self.items)}", self.hint)

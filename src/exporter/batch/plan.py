@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import PlanError, RecipeError
+from ..errors import PlanError, Problems, RecipeError
 from ..outdir import model_name
 from ..recipe import TASKS, Recipe, resolve_recipe
 from ..targets import NAMES as TARGET_NAMES
@@ -83,21 +83,7 @@ class Plan:
     description: str = ""
 
 
-class _Problems:
-    def __init__(self, path: Path):
-        self.path = path
-        self.items: list[str] = []
-
-    def add(self, where: str, what: str) -> None:
-        self.items.append(f"{where}: {what}")
-
-    def raise_if_any(self) -> None:
-        if self.items:
-            raise PlanError(f"plan {self.path} has {len(self.items)} problem(s): {'; '.join(self.items)}",
-                            "correct the plan file (docs/batch.md lists every key)")
-
-
-def _unknown(table: dict, known: tuple[str, ...], where: str, problems: _Problems) -> None:
+def _unknown(table: dict, known: tuple[str, ...], where: str, problems: Problems) -> None:
     for key in table:
         if key not in known:
             near = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
@@ -105,7 +91,7 @@ def _unknown(table: dict, known: tuple[str, ...], where: str, problems: _Problem
                          "unknown key" + (f" (did you mean {near[0]!r}?)" if near else f" (keys: {', '.join(known)})"))
 
 
-def _string(table: dict, key: str, where: str, problems: _Problems, required: bool = False) -> str | None:
+def _string(table: dict, key: str, where: str, problems: Problems, required: bool = False) -> str | None:
     value = table.get(key)
     if value is None:
         if required:
@@ -117,7 +103,7 @@ def _string(table: dict, key: str, where: str, problems: _Problems, required: bo
     return value
 
 
-def _strings(table: dict, key: str, where: str, problems: _Problems, required: bool = False) -> tuple[str, ...]:
+def _strings(table: dict, key: str, where: str, problems: Problems, required: bool = False) -> tuple[str, ...]:
     value = table.get(key)
     if value is None:
         if required:
@@ -137,7 +123,7 @@ def _recipe_ref(text: str, folder: Path) -> str:
     return str((folder / text).resolve()) if looks_like_path else text
 
 
-def _render_out(pattern: str, values: dict[str, str], where: str, problems: _Problems) -> str | None:
+def _render_out(pattern: str, values: dict[str, str], where: str, problems: Problems) -> str | None:
     try:
         fields = [name for _, name, _, _ in string.Formatter().parse(pattern) if name is not None]
     except ValueError as exc:
@@ -167,7 +153,7 @@ def load_plan(path: str | Path, *, local_gpus: int | None = None) -> Plan:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise PlanError(f"plan {path} is not valid TOML ({exc})", "fix the syntax at the position named") from None
-    problems = _Problems(path)
+    problems = Problems(f"plan {path}", PlanError, "correct the plan file (docs/batch.md lists every key)")
     folder = path.resolve().parent
     _unknown(data, TOP_KEYS, "", problems)
     if data.get("schema_version", 1) != 1:
@@ -209,7 +195,7 @@ def load_plan(path: str | Path, *, local_gpus: int | None = None) -> Plan:
     return Plan(path, tuple(cells), description or "")
 
 
-def _cell(where: str, entry: dict[str, Any], folder: Path, problems: _Problems,
+def _cell(where: str, entry: dict[str, Any], folder: Path, problems: Problems,
           local_gpus: int | None) -> Cell | None:
     before = len(problems.items)
     checkpoint = (folder / entry["checkpoint"]).resolve()
@@ -257,7 +243,7 @@ def _cell(where: str, entry: dict[str, Any], folder: Path, problems: _Problems,
                 origin=where, recipe_dict=recipe_dict)
 
 
-def _distinct(cells: list[Cell], problems: _Problems) -> None:
+def _distinct(cells: list[Cell], problems: Problems) -> None:
     """Two cells never share a folder, and no cell's folder lies inside another's."""
     seen: dict[str, Cell] = {}
     for cell in cells:

@@ -24,7 +24,7 @@ from ..targets import NAMES as TARGETS
 from . import sections
 from .parse import check_combination, parse_recipe
 from .sections import *  # noqa: F403 - the typed sections are the package's names too
-from .sections import Recipe, _parse_dim_option, _Problems
+from .sections import Recipe, parse_dim_option, recipe_problems
 
 __all__ = [*sections.__all__, "TARGETS", "apply_settings", "builtin_dir", "builtin_names", "builtin_path",
            "check_combination", "load_recipe", "parse_recipe", "public_source", "recipe_from_dict", "resolve_recipe"]
@@ -164,10 +164,10 @@ def apply_settings(recipe: Recipe, settings: tuple[str, ...]) -> Recipe:
             raise RecipeError(f"--set {text!r}: {section} is not a section", hint)
         if section == "inputs" and key.startswith("dims."):
             name = key[len("dims."):]
-            table["inputs"].setdefault("dims", {}).update(_parse_dim_option(f"{name}={value}"))
+            table["inputs"].setdefault("dims", {}).update(parse_dim_option(f"{name}={value}"))
             continue
         table[section][key] = _setting_value(value, table[section].get(key))
-    problems = _Problems("given with --set", hint)
+    problems = recipe_problems("given with --set", hint)
     return parse_recipe(table, name=recipe.name, source=recipe.source, problems=problems)
 
 
@@ -182,9 +182,9 @@ def _refuse_dims_set_twice(dims: tuple[str, ...], settings: tuple[str, ...]) -> 
         if match and match.group(1) == "inputs" and match.group(2).startswith("dims."):
             by_set[match.group(2)[len("dims."):]] = match.group(3)
     for text in dims:
-        parsed = _parse_dim_option(text)
+        parsed = parse_dim_option(text)
         name = next(iter(parsed))
-        if name in by_set and _parse_dim_option(f"{name}={by_set[name]}")[name] != parsed[name]:
+        if name in by_set and parse_dim_option(f"{name}={by_set[name]}")[name] != parsed[name]:
             raise RecipeError(f"--dim {text!r} and --set inputs.dims.{name}={by_set[name]} both size dim {name}",
                               f"give one of them: --dim {name}=SIZE[:MIN:MAX]")
 

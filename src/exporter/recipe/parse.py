@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any
 
 from ..dtypes import RUNTIME_DTYPES
+from ..errors import Problems
 from ..targets import NAMES as TARGETS
 from .sections import (
     _FACTORY,
@@ -34,16 +35,16 @@ from .sections import (
     _get,
     _parse_dims,
     _parse_tensors,
-    _Problems,
     _str_list,
     _typename,
     _unknown,
+    recipe_problems,
 )
 
 
-def parse_recipe(data: dict, name: str, source: str, problems: _Problems | None = None) -> Recipe:
+def parse_recipe(data: dict, name: str, source: str, problems: Problems | None = None) -> Recipe:
     """Build a Recipe from parsed TOML, listing every problem at once."""
-    p = problems or _Problems(source)
+    p = problems or recipe_problems(source)
     sections = {"model", "runtime", "targets", "inputs", "numerics", "bench", "report", "generation", "quantize",
                 "trust"}
     _unknown(data, {"schema_version", "description"} | sections, "", p)
@@ -164,7 +165,7 @@ def parse_recipe(data: dict, name: str, source: str, problems: _Problems | None 
     return recipe
 
 
-def _section(table: dict, cls: type, where: str, p: _Problems, **given: Any) -> Any:
+def _section(table: dict, cls: type, where: str, p: Problems, **given: Any) -> Any:
     """The section ``cls`` read from its ``table``: each field by the type of its default (a float where the default
     is a float or None, a list of strings where it is a tuple), an unknown key refused; ``given``: fields the caller
     read itself."""
@@ -192,7 +193,7 @@ def check_combination(recipe: Recipe, source: str = "") -> None:
     q = recipe.quantize
     if not q.enabled:
         return
-    p = _Problems(source or recipe.source or recipe.name,
+    p = recipe_problems(source or recipe.source or recipe.name,
                   "change the settings named, in the recipe's [quantize] section or on the command line "
                   "(docs/quantization.md)")
     others = [t for t in recipe.targets.build if t not in QUANTIZE_TARGETS]
@@ -215,7 +216,7 @@ def _check_decode_batch_1(recipe: Recipe, source: str) -> None:
     """``generation.decode_batch_1`` asks for a program only the aoti target builds, for a decoder's generation."""
     if not recipe.generation.decode_batch_1 or recipe.model.task == "forward":
         return
-    p = _Problems(source or recipe.source or recipe.name,
+    p = recipe_problems(source or recipe.source or recipe.name,
                   "set generation.decode_batch_1 = false, or build what it needs (docs/generation.md)")
     if recipe.model.task != "text-generation":
         p.add("generation.decode_batch_1", f"the decode program of batch 1 is built for --task text-generation; "

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..dtypes import K_DEFAULTS, TENSOR_DTYPES
-from ..errors import RecipeError
+from ..errors import Problems, RecipeError
 from ..targets import NAMES as TARGETS
 from ..targets.spec import BuildSettings, TargetsSection
 
@@ -210,7 +210,7 @@ class Recipe:
         """``--target NAME`` (repeatable): build only these targets, in the recipe's order of stages."""
         if not targets:
             return self
-        problems = _Problems("given with --target", f"choose from {', '.join(TARGETS)}")
+        problems = recipe_problems("given with --target", f"choose from {', '.join(TARGETS)}")
         for name in targets:
             _choice(name, TARGETS, "--target", problems)
         if len(set(targets)) != len(targets):
@@ -225,7 +225,7 @@ class Recipe:
         """``--task NAME``: what the model is converted for (``forward`` or ``text-generation``)."""
         if not task or task == self.model.task:
             return self
-        problems = _Problems("given with --task", f"choose from {', '.join(TASKS)}")
+        problems = recipe_problems("given with --task", f"choose from {', '.join(TASKS)}")
         _choice(task, TASKS, "--task", problems)
         problems.raise_if_any()
         return dataclasses.replace(self, model=dataclasses.replace(self.model, task=task))
@@ -244,17 +244,17 @@ class Recipe:
                                          for d in self.inputs.dims}}
         given: dict[str, str] = {}
         for text in dims:
-            parsed_dim = _parse_dim_option(text)
+            parsed_dim = parse_dim_option(text)
             name = next(iter(parsed_dim))
             before = given.setdefault(name, text)
-            if parsed_dim[name] != _parse_dim_option(before)[name]:  # neither may silently win
+            if parsed_dim[name] != parse_dim_option(before)[name]:  # neither may silently win
                 raise RecipeError(f"--dim {name} is given twice ({before!r} and {text!r})",
                                   f"give --dim {name}=... once")
             data["dims"].update(parsed_dim)
         declared = [_parse_input_option(t) for t in tensors] if tensors else [
             {"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "low": t.low, "high": t.high}
             for t in self.inputs.tensors]
-        problems = _Problems("given with --dim/--input",
+        problems = recipe_problems("given with --dim/--input",
                              "correct the --dim/--input options (see exporter convert --help)")
         parsed_dims = _parse_dims(data["dims"], problems)
         parsed = _parse_tensors(declared, parsed_dims, problems) if declared else ()
@@ -266,26 +266,15 @@ class Recipe:
 # --------------------------------------------------------------------------- parsing
 
 
-class _Problems:
-    def __init__(self, source: str, hint: str = "correct the recipe file (see docs/recipes.md for every key)"):
-        self.source = source
-        self.hint = hint
-        self.items: list[str] = []
-
-    def add(self, where: str, what: str) -> None:
-        self.items.append(f"{where}: {what}")
-
-    def raise_if_any(self) -> None:
-        if self.items:
-            listing = "; ".join(self.items)
-            raise RecipeError(f"recipe {self.source} has {len(self.items)} problem(s): {listing}", self.hint)
+def recipe_problems(source: str, hint: str = "correct the recipe file (see docs/recipes.md for every key)") -> Problems:
+    return Problems(f"recipe {source}", RecipeError, hint)
 
 
 def _typename(value: Any) -> str:
     return type(value).__name__
 
 
-def _get(table: dict, key: str, kind: type | tuple, default: Any, where: str, problems: _Problems) -> Any:
+def _get(table: dict, key: str, kind: type | tuple, default: Any, where: str, problems: Problems) -> Any:
     if key not in table:
         return default
     value = table[key]
@@ -301,12 +290,12 @@ def _get(table: dict, key: str, kind: type | tuple, default: Any, where: str, pr
     return value
 
 
-def _choice(value: Any, allowed: tuple, where: str, problems: _Problems) -> None:
+def _choice(value: Any, allowed: tuple, where: str, problems: Problems) -> None:
     if value not in allowed:
         problems.add(where, f"{value!r} is not one of {', '.join(allowed)}")
 
 
-def _unknown(table: dict, known: set[str], where: str, problems: _Problems) -> None:
+def _unknown(table: dict, known: set[str], where: str, problems: Problems) -> None:
     for key in table:
         if key not in known:
             near = difflib.get_close_matches(key, sorted(known), n=1)
@@ -314,7 +303,7 @@ def _unknown(table: dict, known: set[str], where: str, problems: _Problems) -> N
             problems.add(f"{where}.{key}" if where else key, f"unknown key{hint}")
 
 
-def _str_list(table: dict, key: str, default: tuple, where: str, problems: _Problems) -> tuple[str, ...]:
+def _str_list(table: dict, key: str, default: tuple, where: str, problems: Problems) -> tuple[str, ...]:
     value = _get(table, key, list, list(default), where, problems)
     if not all(isinstance(v, str) for v in value):
         problems.add(f"{where}.{key}", "expected a list of strings")
@@ -322,7 +311,7 @@ def _str_list(table: dict, key: str, default: tuple, where: str, problems: _Prob
     return tuple(value)
 
 
-def _parse_dim_option(text: str) -> dict[str, dict[str, int]]:
+def parse_dim_option(text: str) -> dict[str, dict[str, int]]:
     name, sep, sizes = text.partition("=")
     parts = sizes.split(":")
     try:
@@ -358,7 +347,7 @@ def _check_factory(text: str) -> None:
                           "pass it as --model package.module:function")
 
 
-def _parse_dims(table: Any, problems: _Problems) -> tuple[Dim, ...]:
+def _parse_dims(table: Any, problems: Problems) -> tuple[Dim, ...]:
     where = "inputs.dims"
     if not isinstance(table, dict):
         problems.add(where, f"expected a table, got {_typename(table)}")
@@ -391,7 +380,7 @@ def _parse_dims(table: Any, problems: _Problems) -> tuple[Dim, ...]:
     return tuple(dims)
 
 
-def _parse_tensors(items: Any, dims: tuple[Dim, ...], problems: _Problems) -> tuple[TensorSpec, ...]:
+def _parse_tensors(items: Any, dims: tuple[Dim, ...], problems: Problems) -> tuple[TensorSpec, ...]:
     where = "inputs.tensor"
     if not isinstance(items, list):
         problems.add(where, "expected an array of tables ([[inputs.tensor]])")
