@@ -38,8 +38,6 @@ from .seq2seq import (
 )
 from .seq2seq_programs import export_seq2seq, max_source, time_seq2seq
 
-BUILT_BY = ("exported_program", "aoti", "onnx")  # the targets with a writer for the programs with cross-attention
-
 
 class EncoderDecoder(Family):
     def __init__(self) -> None:
@@ -112,9 +110,10 @@ class EncoderDecoder(Family):
 
     def refusal(self, target: str, device: str, dtype: str) -> str | None:
         why = targets.get(target).decoder_refusal(device, dtype)
-        if why is None and target not in BUILT_BY:
+        if why is None and not targets.get(target).encoder_decoder:
+            built = [t.name for t in targets.TARGETS if t.encoder_decoder]
             why = (f"not built for encoder-decoder generation: {target} has no writer for the prefill/decode pair "
-                   f"with cross-attention keys and values ({', '.join(BUILT_BY[:-1])} and {BUILT_BY[-1]} do)")
+                   f"with cross-attention keys and values ({', '.join(built[:-1])} and {built[-1]} do)")
         return why
 
     def export(self, model: torch.nn.Module, layout: Seq2SeqLayout, recipe: Recipe, transformers: bool, past: bool,

@@ -12,6 +12,7 @@ from typing import Any
 from ..dtypes import K_DEFAULTS, TENSOR_DTYPES
 from ..errors import Problems, RecipeError
 from ..targets import NAMES as TARGETS
+from ..targets import TARGETS as TARGET_ROWS
 from ..targets.spec import BuildSettings, TargetsSection
 
 __all__ = [
@@ -91,7 +92,7 @@ class GenerationSection:
 
 
 QUANTIZE_SCHEMES = ("none", "fp8-rowwise", "fp8-weight-only")
-QUANTIZE_TARGETS = ("exported_program", "aoti")  # the targets an fp8 model is built for (docs/quantization.md)
+QUANTIZE_TARGETS = tuple(t.name for t in TARGET_ROWS if t.quantized)  # what an fp8 model is built for
 
 
 @dataclass(frozen=True)

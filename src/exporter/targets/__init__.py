@@ -15,13 +15,14 @@ from .spec import DecoderLoaded, Loaded, RunnerSpec, Target
 
 TARGETS: tuple[Target, ...] = (
     Target("exported_program", "exporter.targets.exported_program", "torch.export program (.pt2)",
-           needs_program=True, decoder=("prefill.pt2", "decode.pt2"), out_copies=1, decoder_copies=2),
+           needs_program=True, decoder=("prefill.pt2", "decode.pt2"), out_copies=1, decoder_copies=2,
+           encoder_decoder=True, quantized=True),
     Target("aoti", "exporter.targets.aoti", "AOTInductor package (.pt2)", needs_program=True,
            decoder=("prefill.aoti.pt2", "decode.aoti.pt2"), decoder_one="decode1.aoti.pt2", preload=True,
-           out_copies=1, temp_copies=2, graph_temp_copies=1, decoder_copies=1),
+           out_copies=1, temp_copies=2, graph_temp_copies=1, decoder_copies=1, encoder_decoder=True, quantized=True),
     Target("onnx", "exporter.targets.onnx", "ONNX (dynamo exporter) run with onnxruntime",
            requires=("onnx", "onnxruntime", "onnxscript"), needs_program=True, decoder=("prefill.onnx", "decode.onnx"),
-           out_copies=1, decoder_copies=1, float32_copies=True),
+           out_copies=1, decoder_copies=1, float32_copies=True, encoder_decoder=True),
     Target("compile", "exporter.targets.compile", "torch.compile of the rewritten model (benchmark variant)",
            decoder_note="not built for text-generation: the AOTI decode replayed in a CUDA graph is the compiled "
                         "decode this run times"),

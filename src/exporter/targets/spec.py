@@ -130,6 +130,8 @@ class Target:
     decoder_note: str = "not available for text-generation"  # why there are none, where ``decoder`` is empty
     decoder_one: str = ""  # the file of its decode program of batch 1, where it builds one (generation.decode_batch_1)
     preload: bool = False  # its artifacts load with the compiler's libstdc++ preloaded where needed (toolchain)
+    encoder_decoder: bool = False  # its ``decoder`` writer also takes an encoder-decoder's programs (cross-attention)
+    quantized: bool = False  # built from an fp8-quantized model ([quantize] in a recipe; docs/quantization.md)
     # copies of the weights it writes: into the output folder, into the temporary folder (a compile's cache, a
     # load's extraction), and into the output folder as a decoder's programs (environment.check_space reads them)
     out_copies: float = 0.0
