@@ -7,6 +7,8 @@
     ... --shape qwen05b --only 8 --no-eager: the Qwen2-0.5B shape's program of batch 1, profiled
     ... --fp8 --fp8-forms kernel,inductor: the fp8 programs with exporter::fp8_gemv (quantize/fp8_gemv.py; fp8
         projections fused where the variant fuses) and then with Inductor's own form, in one process
+    ... --only 8,10 --no-eager: the program of batch 1 as built, then the same with programmatic dependent launch
+        (Inductor's triton.enable_pdl), where this torch has it
 
 (one 10-minute call builds about four variants; docs/runs/h100-bf16-decode-probe-fused.md took two.)
 Builds the Llama-3.2-1B-shaped decoder of benchmarks/gpu_generation.sh (random weights, bf16, SDPA), exports its
@@ -194,6 +196,9 @@ def main() -> None:
         ("AOTI, fused, batch 1, coordinate descent (generation.decode_batch_1, as built)", True, True,
          {"coordinate_descent_tuning": True}, "auto"),
         ("AOTI, unfused, batch 1, coordinate descent", True, False, {"coordinate_descent_tuning": True}, "auto"),
+        # programmatic dependent launch: each Triton kernel may start while the one before it finishes its tail
+        ("AOTI, fused, batch 1, coordinate descent + PDL (triton.enable_pdl)", True, True,
+         {"coordinate_descent_tuning": True, "triton.enable_pdl": True}, "auto"),
     ]
     from exporter.targets.aoti import program_tensors
 
