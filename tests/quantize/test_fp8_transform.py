@@ -174,3 +174,16 @@ def test_the_kl_allowance_is_the_error_allowance_squared():
     ratio20, problems20 = figures[20]
     assert 50 < ratio10 < 256 and not problems10, figures  # the old rule (KL <= bf16's own) failed this one
     assert ratio20 > 256 and any("mean KL" in p for p in problems20), figures
+
+
+def test_the_recipe_names_exactly_the_scheme_rows():
+    """``quantize.scheme`` is checked by the recipe parser (without torch) against its own list: that list and the
+    scheme table must name the same schemes, so a new row is also a scheme a recipe can give."""
+    from exporter.quantize.schemes import SCHEMES, scheme
+    from exporter.recipe import QUANTIZE_SCHEMES
+
+    assert set(QUANTIZE_SCHEMES) == {"none", *SCHEMES}
+    assert {name: (row.label, row.per_token, row.one_row_kernel) for name, row in SCHEMES.items()} == {
+        "fp8-rowwise": ("fp8", True, False), "fp8-weight-only": ("fp8", False, True)}
+    with pytest.raises(KeyError, match="schemes are fp8-rowwise, fp8-weight-only"):
+        scheme("int4")

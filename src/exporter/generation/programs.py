@@ -25,6 +25,7 @@ import torch.nn as nn
 from ..errors import describe
 from ..quantize.fp8 import Fp8Linear
 from ..quantize.fp8_gemv import one_row_kernel
+from ..quantize.schemes import scheme
 from ..targets.context import DecoderPrograms
 from ..targets.exported_program import decomposition_table
 from .cache import CacheLayout, DecoderStep
@@ -98,8 +99,8 @@ def fusable(model: nn.Module, one: bool) -> tuple[type, ...]:
     """The linears ``fuse`` groups: ``nn.Linear``, and weight-only fp8 linears where a decode program of batch 1 is
     built (its kernel reads a group's concatenated fp8 weight in one launch). Rowwise fp8 linears stay apart, as
     measured (docs/quantization.md)."""
-    weight_only = any(isinstance(m, Fp8Linear) and m.scheme == "fp8-weight-only" for m in model.modules())
-    return (nn.Linear, Fp8Linear) if one and weight_only else (nn.Linear,)
+    kernels = any(isinstance(m, Fp8Linear) and scheme(m.scheme).one_row_kernel for m in model.modules())
+    return (nn.Linear, Fp8Linear) if one and kernels else (nn.Linear,)
 
 
 def decompositions(layout: CacheLayout) -> dict:

@@ -225,7 +225,7 @@ def judge_layers(cost: Cost, quantized: Quantized) -> None:
         more = f" and {len(low) - 5} more" if len(low) > 5 else ""
         cost.problems.insert(0, f"{len(low)} fp8 layer(s) below {cost.budget.layer_min_sqnr_db:g} dB SQNR: "
                                 f"{named}{more}")
-    missing = [layer.name for layer in quantized.layers if layer.status == "fp8" and layer.sqnr_db is None]
+    missing = [layer.name for layer in quantized.layers if layer.status == quantized.label and layer.sqnr_db is None]
     if missing:
         cost.notes.append(f"{len(missing)} fp8 layer(s) never ran on the first sample, so have no SQNR: "
                           f"{', '.join(missing[:5])}")

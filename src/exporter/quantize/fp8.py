@@ -34,7 +34,7 @@ from . import fp8_gemv
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 SCALE_FLOOR = 1e-12  # an all-zero row (padding) gets this scale instead of 0: its values stay 0, not NaN
-SCHEMES = ("fp8-rowwise", "fp8-weight-only")
+FP8_SCHEMES = ("fp8-rowwise", "fp8-weight-only")  # the rows of schemes.SCHEMES this module implements
 
 
 def row_scales(tensor: torch.Tensor) -> torch.Tensor:
@@ -84,7 +84,7 @@ def weight_only_product(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
 
 
 class Fp8Linear(nn.Module):
-    """A linear whose weight is stored in fp8 with per-row float32 scales (``scheme``: see :data:`SCHEMES`).
+    """A linear whose weight is stored in fp8 with per-row float32 scales (``scheme``: one of :data:`FP8_SCHEMES`).
 
     ``qweight`` and ``scales`` keep their dtypes through ``module.to(dtype)`` (only their device follows), so a
     model cast to bfloat16 keeps fp8 weights; the float64 reference (which upcasts each module's tensors while it
@@ -97,7 +97,7 @@ class Fp8Linear(nn.Module):
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, scheme: str):
         super().__init__()
-        if scheme not in SCHEMES:
+        if scheme not in FP8_SCHEMES:
             raise ValueError(f"unknown fp8 scheme {scheme!r}")
         self.scheme = scheme
         self.in_features, self.out_features = int(qweight.shape[1]), int(qweight.shape[0])

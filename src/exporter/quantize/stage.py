@@ -22,7 +22,7 @@ from ..modelio import cast_in_place
 from ..numerics.reference import full_float32
 from ..recipe import QuantizeSection, Recipe
 from .cost import Budget, Cost, judge_layers, judge_outputs, layer_sqnr
-from .fp8 import FP8
+from .schemes import scheme
 from .transform import Quantized, quantize_model
 
 WORST_LAYERS = 5
@@ -51,12 +51,13 @@ class Quantization:
     def to_dict(self) -> dict[str, Any]:
         layers = self.quantized.layers
         judged = self.quantized.judged()
+        row = scheme(self.quantized.scheme)
         return {
             "scheme": self.quantized.scheme,
-            "weight_dtype": str(FP8).replace("torch.", ""),
+            "weight_dtype": row.weight_dtype,
             "scales": {"dtype": "float32", "granularity": "per output row (weights)" + (
-                ", per token (activations, at run time)" if self.quantized.scheme == "fp8-rowwise" else "")},
-            "counts": {s: self.quantized.count(s) for s in ("fp8", "excluded", "fallback")},
+                ", per token (activations, at run time)" if row.per_token else "")},
+            "counts": {s: self.quantized.count(s) for s in (row.label, "excluded", "fallback")},
             "excluded": [layer.name for layer in layers if layer.status == "excluded"],
             "fallback": [{"name": layer.name, "reason": layer.reason} for layer in layers
                          if layer.status == "fallback"],
@@ -94,7 +95,7 @@ def _quantize_and_judge(model: torch.nn.Module, section: QuantizeSection, dtype:
     wraps one call with the per-layer check; ``run`` returns every sample's outputs), judge the layers and the
     outputs, and drop the original weights whatever happened."""
     quantized = quantize_model(model, section.scheme, section.exclude, section.include_head)
-    if not quantized.count("fp8"):
+    if not quantized.count(quantized.label):
         quantized.release()
         raise RecipeError(nothing_quantized(quantized), "convert with a recipe without [quantize] (fp8 would change "
                           "nothing), or narrow quantize.exclude")

@@ -20,9 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .fp8 import Fp8Linear, is_linear, linear_weight
-
-ALIGN = 16  # _scaled_mm: both matrix sizes a multiple of 16
+from .fp8 import is_linear, linear_weight
+from .schemes import scheme as scheme_row
 
 
 @dataclass
@@ -45,6 +44,11 @@ class Quantized:
     scheme: str
     layers: list[Layer]
     originals: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        """A quantized layer's status ("fp8"): the scheme's label."""
+        return scheme_row(self.scheme).label
 
     def count(self, status: str) -> int:
         return sum(1 for layer in self.layers if layer.status == status)
@@ -90,7 +94,8 @@ def _exclusion(name: str, heads: set[str], patterns: tuple[str, ...], include_he
 
 def quantize_model(model: nn.Module, scheme: str, exclude: tuple[str, ...] = (), include_head: bool = False,
                    keep_originals: bool = True) -> Quantized:
-    """Swap the chosen linears of ``model`` for fp8 ones in place; the audit lists every linear."""
+    """Swap the chosen linears of ``model`` for the scheme's modules in place; the audit lists every linear."""
+    row = scheme_row(scheme)
     heads = head_names(model)
     shared: dict[int, int] = {}
     for module in model.modules():
@@ -104,22 +109,22 @@ def quantize_model(model: nn.Module, scheme: str, exclude: tuple[str, ...] = (),
                 continue
             full = f"{name}.{child_name}" if name else child_name
             out_features, in_features = linear_weight(child).shape
-            layer = Layer(full, int(in_features), int(out_features), "fp8")
+            layer = Layer(full, int(in_features), int(out_features), row.label)
             reason = _exclusion(full, heads, exclude, include_head)
             if reason:
                 layer.status, layer.reason = "excluded", reason
-            elif layer.in_features % ALIGN or layer.out_features % ALIGN:
+            elif layer.in_features % row.alignment or layer.out_features % row.alignment:
                 layer.status = "fallback"
-                layer.reason = (f"{layer.in_features} x {layer.out_features}: fp8 products need both sizes a "
-                                f"multiple of {ALIGN}; kept in the model's dtype")
+                layer.reason = (f"{layer.in_features} x {layer.out_features}: {row.label} products need both sizes a "
+                                f"multiple of {row.alignment}; kept in the model's dtype")
             elif shared.get(id(child.weight), 0) > 1:
                 layer.status, layer.reason = "fallback", "its weight is shared with another linear; kept as it is"
             result.layers.append(layer)
-            if layer.status == "fp8":
+            if layer.status == row.label:
                 swaps.append((module, child_name, full, child))
     for parent, child_name, full, child in swaps:
         with torch.no_grad():
-            replacement = Fp8Linear.from_linear(child, scheme).to(child.weight.device)
+            replacement = row.make(child, scheme).to(child.weight.device)
         setattr(parent, child_name, replacement)
         if keep_originals:
             result.originals[full] = (linear_weight(child), child.bias)
