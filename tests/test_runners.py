@@ -203,11 +203,11 @@ def test_a_child_with_its_own_environment_or_a_dead_spare_is_not_taken(loaders, 
 def test_a_run_expects_one_spare_per_target_a_spare_can_serve(tmp_path):
     import onnxruntime
 
-    from exporter.pipeline import ConvertRun
     from exporter.recipe import load_recipe
+    from exporter.targets.build import spare_children
 
     def expected(name: str) -> int:
-        return ConvertRun(tmp_path, load_recipe(name), tmp_path, None, False, False, None).children_expected()
+        return spare_children(load_recipe(name).build_settings())
 
     assert expected("cpu-fp32") == 2  # exported program and ONNX; AOTInductor's child may need its own LD_PRELOAD
     cuda_onnx = "CUDAExecutionProvider" in onnxruntime.get_available_providers()

@@ -27,6 +27,7 @@ from .dtypes import BY_NAME
 from .errors import EnvironmentProblem, OutputError
 from .recipe import Recipe
 from .targets import TARGETS
+from .targets import get as get_target
 
 
 def package_version(name: str) -> str | None:
@@ -80,7 +81,7 @@ def device_info(device: str, host: bool = False) -> dict[str, object]:
 def check_compiler(recipe: Recipe) -> None:
     """The C++ compiler Inductor builds with (``CXX``, else ``g++``), where a target needs one: an AOTInductor
     package, and ``torch.compile`` on the CPU. Without it the build would fail deep inside Inductor."""
-    needs = [t for t in recipe.targets.build if t == "aoti" or (t == "compile" and recipe.runtime.device == "cpu")]
+    needs = [t for t in recipe.targets.build if recipe.runtime.device in get_target(t).compiler_on]
     if not needs:
         return
     try:

@@ -39,8 +39,7 @@ from .recipe import Recipe, public_source
 from .results import OK, VariantResult
 from .rewrite import rewrite_attention
 from .runners import RemoteRunner, Spares
-from .targets import TARGETS
-from .targets.build import build_targets
+from .targets.build import build_targets, spare_children
 from .targets.context import BuildContext
 from .targets.spec import RunnerSpec
 
@@ -73,17 +72,6 @@ class ConvertRun:
             self.validation.close()
         if self.spares is not None:
             self.spares.close()
-
-    def children_expected(self) -> int:
-        """How many built targets will be loaded in a child that a spare can be: every available target the
-        recipe builds (one per compile mode), but AOTInductor, whose child may need its own LD_PRELOAD."""
-        targets = self.recipe.targets
-        wanted = [t for t in TARGETS if t.name in targets.build and t.name != "aoti" and t.unavailable() is None]
-        if any(t.name == "onnx" for t in wanted):
-            from .targets.onnx import refused_here  # noqa: PLC0415 - onnxruntime only where ONNX is built
-            if refused_here(self.recipe):
-                wanted = [t for t in wanted if t.name != "onnx"]
-        return sum(len(targets.compile_modes) if t.name == "compile" else 1 for t in wanted)
 
     def manifest_inputs(self) -> dict[str, Any]:
         return {"checkpoint_files": list(self.loaded.checkpoint.files) if self.loaded else [],
@@ -132,7 +120,7 @@ class ConvertRun:
         device, dtype = recipe.runtime.device, recipe.runtime.dtype
         t_start = time.perf_counter()
         # children import torch (and start CUDA) while this process loads and exports
-        self.spares = Spares(self.children_expected(), self.log_path, device)
+        self.spares = Spares(spare_children(self.recipe.build_settings()), self.log_path, device)
 
         with progress.stage("load", str(self.checkpoint)):
             self.loaded = loaded = load_model(self.checkpoint, recipe.model.factory, self.allow_pickle,

@@ -18,7 +18,18 @@ from ..results import FAILED, SKIPPED, VariantResult
 from . import TARGETS
 from .context import BuildContext, build
 from .exported_program import export_program
-from .spec import RunnerSpec, Target, TargetSkipped
+from .spec import BuildSettings, RunnerSpec, Target, TargetSkipped
+
+
+def spare_children(settings: BuildSettings) -> int:
+    """How many built targets will be loaded in a child that a spare can be: every available target the recipe
+    builds (one per compile mode), but those whose child may need its own LD_PRELOAD (``preload``: AOTInductor)."""
+    wanted = [t for t in TARGETS if t.name in settings.targets.build and not t.preload and t.unavailable() is None]
+    if any(t.name == "onnx" for t in wanted):
+        from .onnx import refused_here  # noqa: PLC0415 - onnxruntime only where ONNX is built
+        if refused_here(settings):
+            wanted = [t for t in wanted if t.name != "onnx"]
+    return sum(len(settings.targets.compile_modes) if t.name == "compile" else 1 for t in wanted)
 
 
 def stop_compile_workers() -> None:

@@ -94,12 +94,11 @@ class Placement:
     notes: list[str]
 
 
-def refused_here(recipe) -> bool:
+def refused_here(settings: BuildSettings) -> bool:
     """Whether :func:`placement` refuses the recipe's ONNX target on this machine whatever the model's size
     (a GPU recipe, no CUDA provider, ``onnx_dtype = "auto"``): no process will load it."""
-    device = recipe.runtime.device
     try:
-        placement(device, recipe.runtime.dtype, choose_provider(device), recipe.targets.onnx_dtype, 0)
+        placement(settings.device, settings.dtype, choose_provider(settings.device), settings.targets.onnx_dtype, 0)
     except TargetSkipped:
         return True
     return False

@@ -132,6 +132,7 @@ class Target:
     preload: bool = False  # its artifacts load with the compiler's libstdc++ preloaded where needed (toolchain)
     encoder_decoder: bool = False  # its ``decoder`` writer also takes an encoder-decoder's programs (cross-attention)
     quantized: bool = False  # built from an fp8-quantized model ([quantize] in a recipe; docs/quantization.md)
+    compiler_on: tuple[str, ...] = ()  # the devices on which its build runs a C++ compiler (environment.check_compiler)
     # copies of the weights it writes: into the output folder, into the temporary folder (a compile's cache, a
     # load's extraction), and into the output folder as a decoder's programs (environment.check_space reads them)
     out_copies: float = 0.0
