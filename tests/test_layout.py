@@ -243,3 +243,15 @@ def test_no_public_name_of_the_package_is_also_a_submodule_name():
         importlib.import_module(f"exporter.{name}")
     for name in exporter.__all__:
         assert callable(getattr(exporter, name)), name
+
+
+def test_every_generation_module_is_where_the_architecture_says():
+    """docs/architecture.md's account of generation/ names every module there (the families, their steps, the
+    corridor), so a module added without a word there, or one removed and still described, fails here."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    section = text[text.index("## Where does a new generation family go?"):]
+    section = section[:section.index("\n## ", 1)]
+    stems = {p.stem for p in (PACKAGE / "generation").glob("*.py") if p.stem != "__init__"}
+    assert sorted(s for s in stems if f"{s}.py" not in section and f"`{s}." not in section) == []
+    named = set(re.findall(r"`(\w+)\.py`", section))
+    assert sorted(named - stems) == []
