@@ -94,6 +94,14 @@ def test_a_variant_replaying_a_failed_artifact_fails_with_it():
     inherit_verdicts([package, graphed])
     assert graphed.status == OK and graphed.numerics.passed
 
+    # failed on its own (the program proof of the package it replays, seen on the GPU) and not localised: the
+    # package's localisation is its own too; its own error stays
+    package, graphed = _judged("aoti", False), _judged("aoti:cuda-graph", True, replays="aoti")
+    graphed.fail(NUMERICS_FAILED, "the program computed in float64 computes another function")
+    inherit_verdicts([package, graphed])
+    assert graphed.error == "the program computed in float64 computes another function"
+    assert graphed.numerics.locate == {"module": "model.layers.1.self_attn"}
+
 
 @pytest.mark.parametrize("n", [1, 2, 4, 16, 64, 1000, 4000, 4001, 10**6])
 def test_the_sampling_factor_is_the_f_distributions_quantile(n):

@@ -60,19 +60,23 @@ def not_on_grid(result: VariantResult) -> None:
 def inherit_verdicts(results: list[VariantResult]) -> None:
     """A variant that runs another variant's artifact (the AOTI package replayed from a CUDA graph) fails where
     that artifact failed: it is judged at the samples only, but it is the same compiled code, so a failure the
-    artifact showed anywhere (a grid point, a sample) is its failure too, localised the same way."""
+    artifact showed anywhere (a grid point, a sample) is its failure too, localised the same way. One that failed
+    on its own (a proof of the program it runs) and was not localised takes the artifact's localisation too: the
+    replay cannot be run module by module, and it is the same compiled code."""
     by_name = {r.name: r for r in results}
     for result in results:
         parent = by_name.get(result.replays or "")
-        if parent is None or parent.status != NUMERICS_FAILED or result.status != OK:
+        if parent is None or parent.status != NUMERICS_FAILED or result.numerics is None or parent.numerics is None:
             continue
-        result.fail(NUMERICS_FAILED, f"runs the {parent.name} artifact, which failed numerics: {parent.error}")
-        if result.numerics is not None and parent.numerics is not None:
+        if result.status == OK:
+            result.fail(NUMERICS_FAILED, f"runs the {parent.name} artifact, which failed numerics: {parent.error}")
             result.numerics.passed = False
             result.numerics.locate = parent.numerics.locate
             result.numerics.grid = {"checked": False, "passed": (parent.numerics.grid or {}).get("passed", True),
                                     "points": [], "reason": f"not on the grid itself; {parent.name}'s verdict "
                                                             "applies (the same artifact)"}
+        elif result.status == NUMERICS_FAILED and result.numerics.locate is None:
+            result.numerics.locate = parent.numerics.locate
 
 
 class Validation:
