@@ -12,6 +12,7 @@ overhead of every kernel; a step that cannot be captured is timed without, and t
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -20,7 +21,7 @@ import torch.nn as nn
 from ..errors import describe
 from ..measure.bench import Timing, repeat
 from ..targets.aoti_loader import capture
-from .driver import Prompt, Steps
+from .driver import Steps
 
 
 def timed(fn: Callable[[], Any], device: str, warmup: int, rounds: int, per: int = 1) -> dict[str, Any]:
@@ -88,30 +89,28 @@ def time_decode(out: dict[str, Any], decode_all: Callable[[Callable[[], Any]], N
     return out
 
 
-def time_steps(steps: Steps, prompt: Prompt, tokens: int, warmup: int, rounds: int, graph: bool) -> dict[str, Any]:
-    """Prefill over ``prompt`` and ``tokens`` decode steps after it, each timed ``rounds`` times."""
-    device, batch = steps.device, prompt.input_ids.shape[0]
-    ids = prompt.input_ids.to(device).contiguous()
-    padding = prompt.padding(steps.cache_length).to(device)
-    positions = torch.arange(prompt.length, device=device)
-    kv = steps.layout.allocate(batch, steps.cache_length, steps.dtype, device)
-    tokens = max(1, min(tokens, steps.cache_length - prompt.length))
+def time_steps(steps: Steps, prompt: Any, timing: dict[str, Any]) -> dict[str, Any]:
+    """The prefill over ``prompt`` (a family's prompt: ``driver.Feed``) and ``timing["tokens"]`` decode steps after
+    it, each timed as the setup's ``timing`` says, with the bandwidth of the weights and the cache read a token."""
+    device, batch, feed = steps.device, prompt.batch, prompt.feed(steps)
+    tokens = max(1, min(timing["tokens"], steps.cache_length - feed.start))
     out: dict[str, Any] = {"batch": batch, "prompt": prompt.length, "tokens": tokens}
     with torch.inference_mode():
-        out["prefill"] = timed(lambda: steps.prefill(ids, padding, positions, kv), device, warmup, rounds)
+        out["prefill"] = timed(feed.prefill, device, timing["warmup"], timing["rounds"])
         token = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        where = torch.tensor([prompt.length], device=device)
+        where = torch.tensor([feed.start], device=device)
 
         def decode_all(step: Callable[[], Any]) -> None:
             for t in range(tokens):
-                where.fill_(prompt.length + t)
+                where.fill_(feed.start + t)
                 step()
 
         decode = steps.decode_for(batch)
         out["decode_program"] = "batch 1" if decode is not steps.decode else "dynamic batch"
-        return time_decode(out, decode_all, lambda: decode(token, padding, where, kv),
-                           lambda: steps.fresh_for(batch), lambda step: step(token, padding, where, kv), device,
-                           rounds, graph)
+        time_decode(out, decode_all, lambda: decode(*feed.args(token, where)), lambda: steps.fresh_for(batch),
+                    lambda step: step(*feed.args(token, where)), device, timing["rounds"], timing["cuda_graph"])
+    out["bandwidth"] = bandwidth(out, timing["weight_bytes"] + feed.bytes, timing.get("copy_bytes_per_s"))
+    return out
 
 
 def time_eager_generate(model: nn.Module, inputs: dict[str, Any], tokens: int, device: str, rounds: int,
@@ -141,18 +140,13 @@ def time_eager_generate(model: nn.Module, inputs: dict[str, Any], tokens: int, d
             "tokens_per_s": batch * 1e3 / per_token if per_token > 0 else None}
 
 
-def time_runs(runs: list[tuple[str, Any, Any]], time_one: Callable[..., dict[str, Any]],
-              cache_bytes: Callable[[Any], int], timing: dict[str, Any]) -> dict[str, Any]:
-    """Each ``(label, prompt, steps)`` of ``runs`` timed by ``time_one`` (``time_steps``, ``time_seq2seq``) as the
-    setup's ``timing`` says, with the bandwidth of the weights and ``cache_bytes(prompt)`` of cache read a token."""
-    out: dict[str, Any] = {}
-    for label, prompt, steps in runs:
-        timed = time_one(steps, prompt, timing["tokens"], timing["warmup"], timing["rounds"],
-                         graph=timing["cuda_graph"])
-        per_token = timing["weight_bytes"] + cache_bytes(prompt)
-        timed["bandwidth"] = bandwidth(timed, per_token, timing.get("copy_bytes_per_s"))
-        out[label] = timed
-    return out
+def time_runs(steps: Steps, prompt: Any, timing: dict[str, Any]) -> dict[str, Any]:
+    """The steps timed at batch 1 (the prompt's first row, unpadded) and at the recipe's batch; with a decode program
+    of batch 1, batch 1 once more with the program of any batch (``batch_1_dynamic``: what the tuned program buys)."""
+    runs = [("batch_1", prompt.row(0), steps), ("batch", prompt, steps)]
+    if steps.decode_one is not None:
+        runs.append(("batch_1_dynamic", prompt.row(0), replace(steps, decode_one=None, fresh_decode_one=None)))
+    return {label: time_steps(which_steps, which, timing) for label, which, which_steps in runs}
 
 
 def bandwidth(timing: dict[str, Any], bytes_per_token: int, copy_bytes_per_s: float | None) -> dict[str, Any]:

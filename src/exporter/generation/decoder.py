@@ -5,7 +5,6 @@ one). See :mod:`exporter.generation.family` for what a family says."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -13,14 +12,14 @@ import torch
 
 from .. import targets
 from ..dtypes import torch_dtype
-from ..errors import ArchitectureError
+from ..errors import ArchitectureError, InputsError
 from ..recipe import Recipe
 from ..rewrite.audit import AttentionAudit
 from ..targets.context import DecoderPrograms
 from . import bench
 from .attention import recorded_sites
 from .cache import CacheLayout, DecoderStep, probe_layout
-from .driver import Prompt, Steps, generate, load_steps
+from .driver import Prompt, Steps, check_ids
 from .family import Family
 from .programs import export_steps
 from .reference import forced_logits, reference_generation
@@ -28,7 +27,8 @@ from .reference import forced_logits, reference_generation
 
 class Decoder(Family):
     def __init__(self) -> None:
-        super().__init__(Prompt, ("prompt_ids", "prompt_mask"), rows_alone=True, programs="prefill and decode programs")
+        super().__init__(Prompt, CacheLayout, ("prompt_ids", "prompt_mask"), rows_alone=True,
+                         programs="prefill and decode programs", rows="prompts")
 
     def probe(self, model: torch.nn.Module, recipe: Recipe, transformers: bool) -> CacheLayout:
         """A sliding-window attention narrower than the cache, or a cache longer than the model has positions (a
@@ -106,22 +106,19 @@ class Decoder(Family):
         return {"layout": layout.to_dict(), "padded_rows": [r for r in range(gen.batch) if r % 2 == 1],
                 "pad_tokens": max(1, gen.prompt_length // 4)}
 
-    def load_steps(self, target: str, folder: Path, setup: dict[str, Any]) -> Steps:
-        return load_steps(target, folder, CacheLayout.from_dict(setup["layout"]), setup["cache_length"],
-                          torch_dtype(setup["dtype"]), setup["device"])
-
-    def generate(self, steps: Steps, prompt: Prompt, new_tokens: int, forced: torch.Tensor | None = None,
-                 keep_logits: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        return generate(steps, prompt, new_tokens, forced, keep_logits)
-
-    def time(self, steps: Steps, prompt: Prompt, timing: dict[str, Any]) -> dict[str, Any]:
-        """At batch 1 (the prompt's first row, unpadded) and at the recipe's batch; with a decode program of batch
-        1, batch 1 once more with the program of any batch (``batch_1_dynamic``: what the tuned program buys)."""
-        runs = [("batch_1", prompt.row(0), steps), ("batch", prompt, steps)]
-        if steps.decode_one is not None:
-            runs.append(("batch_1_dynamic", prompt.row(0), replace(steps, decode_one=None, fresh_decode_one=None)))
-        return bench.time_runs(runs, bench.time_steps, lambda which: steps.layout.bytes(
-            which.input_ids.shape[0], steps.cache_length, steps.dtype), timing)
+    def user_prompt(self, prompts: list[list[int]], features: str | Path | None, setup: dict[str, Any]) -> Prompt:
+        """The prompts, left-padded into one batch."""
+        if features is not None:
+            raise InputsError("--input-features given to a decoder's folder", "pass --input-ids; features are for a "
+                              "speech model converted with --task automatic-speech-recognition")
+        check_ids(prompts, CacheLayout.from_dict(setup["layout"]).vocab, "prompt")
+        length = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), length, dtype=torch.long)
+        mask = torch.zeros(len(prompts), length, dtype=torch.long)
+        for row, tokens in enumerate(prompts):
+            ids[row, length - len(tokens):] = torch.tensor(tokens)
+            mask[row, length - len(tokens):] = 1
+        return Prompt(ids, mask)
 
 
 DECODER = Decoder()

@@ -10,15 +10,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
 from .. import targets
 from ..dtypes import torch_dtype
-from ..errors import ArchitectureError
+from ..errors import ArchitectureError, InputsError, describe
 from ..recipe import Recipe
 from ..rewrite.audit import AttentionAudit
 from ..targets.context import DecoderPrograms
 from . import bench
 from .attention import eager_sites, recorded_sites
+from .driver import Steps, check_ids, generate
 from .family import Family
 from .seq2seq import (
     SPEECH,
@@ -26,23 +28,21 @@ from .seq2seq import (
     Seq2SeqDecode,
     Seq2SeqLayout,
     Seq2SeqPrefill,
-    Seq2SeqSteps,
     Source,
     forced_logits,
-    generate,
     is_encoder_decoder,
     make_source,
     probe_layout,
     reference_generation,
     source_name,
 )
-from .seq2seq_programs import export_seq2seq, max_source, time_seq2seq
+from .seq2seq_programs import export_seq2seq, max_source
 
 
 class EncoderDecoder(Family):
     def __init__(self) -> None:
-        super().__init__(Source, ("source_values", "source_mask"), rows_alone=False,
-                         programs="prefill (encoder + first step) and decode programs")
+        super().__init__(Source, Seq2SeqLayout, ("source_values", "source_mask"), rows_alone=False,
+                         programs="prefill (encoder + first step) and decode programs", rows="sources")
 
     def probe(self, model: torch.nn.Module, recipe: Recipe, transformers: bool) -> Seq2SeqLayout:
         """Only a transformers encoder-decoder generates here, text from ids or speech from features as the task
@@ -92,7 +92,7 @@ class EncoderDecoder(Family):
         """Every attention the prefill dispatches through transformers' SDPA entry: the encoder's, the decoder's
         self-attention and its cross-attention."""
         dtype = next(model.parameters()).dtype
-        steps = Seq2SeqSteps(Seq2SeqPrefill(model), Seq2SeqDecode(model), layout, 2, dtype, device)
+        steps = Steps(Seq2SeqPrefill(model), Seq2SeqDecode(model), layout, 2, dtype, device)
         audit = recorded_sites(model, lambda: generate(steps, make_source(layout, 1, 4, 0, dtype), 1,
                                                         keep_logits=False), decoder_only=False)
         if audit.sites:
@@ -104,8 +104,8 @@ class EncoderDecoder(Family):
                                   "nodes are counted under each target")
 
     def local_steps(self, model: torch.nn.Module, layout: Seq2SeqLayout, recipe: Recipe,
-                    transformers: bool) -> Seq2SeqSteps:
-        return Seq2SeqSteps(Seq2SeqPrefill(model), Seq2SeqDecode(model), layout, recipe.generation.max_cache_len,
+                    transformers: bool) -> Steps:
+        return Steps(Seq2SeqPrefill(model), Seq2SeqDecode(model), layout, recipe.generation.max_cache_len,
                             torch_dtype(recipe.runtime.dtype), recipe.runtime.device)
 
     def refusal(self, target: str, device: str, dtype: str) -> str | None:
@@ -156,21 +156,52 @@ class EncoderDecoder(Family):
             },
         }
 
-    def load_steps(self, target: str, folder: Path, setup: dict[str, Any]) -> Seq2SeqSteps:
-        loaded = targets.get(target).load_decoder(folder)
-        return Seq2SeqSteps(loaded.prefill, loaded.decode, Seq2SeqLayout.from_dict(setup["layout"]),
-                            setup["cache_length"], torch_dtype(setup["dtype"]), setup["device"], loaded.fresh_decode)
+    def user_prompt(self, prompts: list[list[int]], features: str | Path | None, setup: dict[str, Any]) -> Source:
+        """Token ids right-padded into one batch, or a speech model's features."""
+        layout = Seq2SeqLayout.from_dict(setup["layout"])
+        if layout.speech:
+            return _features_source(features, layout, prompts)
+        if features is not None:
+            raise InputsError("--input-features given to a text encoder-decoder", "pass the source as --input-ids")
+        return _ids_source(prompts, layout, setup)
 
-    def generate(self, steps: Seq2SeqSteps, prompt: Source, new_tokens: int, forced: torch.Tensor | None = None,
-                 keep_logits: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        return generate(steps, prompt, new_tokens, forced, keep_logits)
 
-    def time(self, steps: Seq2SeqSteps, prompt: Source, timing: dict[str, Any]) -> dict[str, Any]:
-        """At batch 1 (the first source row, unpadded) and at the recipe's batch."""
-        return bench.time_runs([("batch_1", prompt.row(0), steps), ("batch", prompt, steps)], time_seq2seq,
-                               lambda which: steps.layout.bytes(which.batch, steps.cache_length,
-                                                                int(which.encoder_mask(steps.layout).shape[1]),
-                                                                steps.dtype), timing)
+def _ids_source(prompts: list[list[int]], layout: Seq2SeqLayout, setup: dict) -> Source:
+    check_ids(prompts, layout.vocab, "source")
+    length = max(len(p) for p in prompts)
+    if length < 2 or length > setup["max_source"]:
+        raise InputsError(f"a {length}-token source; the programs take 2 to {setup['max_source']} tokens",
+                          "pass a source of that length")
+    ids = torch.zeros(len(prompts), length, dtype=torch.long)
+    mask = torch.zeros(len(prompts), length, dtype=torch.long)
+    for row, tokens in enumerate(prompts):
+        ids[row, :len(tokens)] = torch.tensor(tokens)
+        mask[row, :len(tokens)] = 1
+    return Source(ids, mask)
+
+
+def _features_source(features: str | Path | None, layout: Seq2SeqLayout, prompts: list[list[int]]) -> Source:
+    want = "x".join(map(str, layout.source_shape))
+    if prompts:
+        raise InputsError("--input-ids given to a speech model", f"pass --input-features FILE.safetensors with one "
+                          f"tensor [batch, {want}]")
+    if features is None:
+        raise InputsError("no source features given", f"pass --input-features FILE.safetensors with one tensor "
+                          f"[batch, {want}]")
+    try:
+        tensors = load_file(str(features))
+    except Exception as exc:
+        raise InputsError(f"--input-features {features} is not a readable safetensors file ({describe(exc, 120)})",
+                          "pass a file written by safetensors.torch.save_file") from None
+    if len(tensors) != 1:
+        raise InputsError(f"--input-features {features} holds {len(tensors)} tensors", "save exactly one tensor")
+    (values,) = tensors.values()
+    if values.dim() == 2:
+        values = values[None]
+    if tuple(values.shape[1:]) != tuple(layout.source_shape) or not values.is_floating_point():
+        raise InputsError(f"--input-features holds {values.dtype} {list(values.shape)}; the programs take float "
+                          f"[batch, {want}]", f"pass log-mel features of shape [batch, {want}]")
+    return Source(values.float(), torch.ones(values.shape[0], layout.source_shape[1], dtype=torch.long))
 
 
 ENCODER_DECODER = EncoderDecoder()

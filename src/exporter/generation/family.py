@@ -17,9 +17,12 @@ from typing import Any
 
 import torch
 
+from ..dtypes import torch_dtype
 from ..recipe import Recipe
 from ..rewrite.audit import AttentionAudit
 from ..targets.context import DecoderPrograms
+from .bench import time_runs
+from .driver import Steps, generate, load_steps
 
 
 class Family:
@@ -27,11 +30,14 @@ class Family:
     family's cache layout, a ``prompt`` its ``prompt_class`` (two tensors: the values and their mask), ``steps``
     its two callable steps (the model itself, or a built target's programs)."""
 
-    def __init__(self, prompt_class: type, stored: tuple[str, str], rows_alone: bool, programs: str):
+    def __init__(self, prompt_class: type, layout_class: Any, stored: tuple[str, str], rows_alone: bool,
+                 programs: str, rows: str):
         self.prompt_class = prompt_class  # ``Prompt`` (token ids, left-padded) or ``Source`` (ids or features)
+        self.layout_class = layout_class  # ``CacheLayout`` or ``Seq2SeqLayout``: what ``generation.json`` keeps
         self.stored = stored  # the stored reference's names for the prompt's two tensors
         self.rows_alone = rows_alone  # also judged at batch 1, each prompt row alone (``session.judge_rows_alone``)
         self.programs = programs  # what the export stage says it exports
+        self.rows = rows  # what ``exporter generate`` calls a row of its input ("prompts", "sources")
 
     # convert: read the layout from one step on the recipe's device, refusing a model or recipe the family cannot
     # generate with (ArchitectureError); seeded prompts (floats in float64); greedy reference tokens [B, N] and
@@ -79,17 +85,23 @@ class Family:
     def section(self, layout: Any, prompt: Any, setup: dict[str, Any], recipe: Recipe) -> dict[str, Any]:
         raise NotImplementedError
 
+    # ``exporter generate``'s input (token ids, or a speech model's features file) as this family's prompt, each
+    # problem an InputsError
+    def user_prompt(self, prompts: list[list[int]], features: str | Path | None, setup: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
     # a built target's programs loaded as steps; greedy tokens [B, N] and each step's logits (``forced``: teacher
-    # forcing); the steps timed at batch 1 and at the recipe's batch
-    def load_steps(self, target: str, folder: Path, setup: dict[str, Any]) -> Any:
-        raise NotImplementedError
+    # forcing); the steps timed at batch 1 and at the recipe's batch: the same for every family (``driver``, ``bench``)
+    def load_steps(self, target: str, folder: Path, setup: dict[str, Any]) -> Steps:
+        return load_steps(target, folder, self.layout_class.from_dict(setup["layout"]), setup["cache_length"],
+                          torch_dtype(setup["dtype"]), setup["device"])
 
-    def generate(self, steps: Any, prompt: Any, new_tokens: int, forced: torch.Tensor | None = None,
+    def generate(self, steps: Steps, prompt: Any, new_tokens: int, forced: torch.Tensor | None = None,
                  keep_logits: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        raise NotImplementedError
+        return generate(steps, prompt, new_tokens, forced, keep_logits)
 
-    def time(self, steps: Any, prompt: Any, timing: dict[str, Any]) -> dict[str, Any]:
-        raise NotImplementedError
+    def time(self, steps: Steps, prompt: Any, timing: dict[str, Any]) -> dict[str, Any]:
+        return time_runs(steps, prompt, timing)
 
 
 __all__ = ["Family"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -112,37 +113,49 @@ def decompositions(layout: CacheLayout) -> dict:
     return {} if layout.padding_mask_2d else decomposition_table()
 
 
+def dims(named: bool) -> Callable[[str, int, int], Any]:
+    """A dimension of ``name`` over ``lo..hi``: a named ``Dim``, or (the retry) a ``Dim.DYNAMIC`` hint."""
+    if named:
+        return lambda name, lo, hi: torch.export.Dim(name, min=lo, max=hi)
+    return lambda name, lo, hi: torch.export.Dim.DYNAMIC(min=lo, max=hi)
+
+
+def export_pair(steps: tuple[nn.Module, nn.Module], args: tuple[tuple, tuple], shapes: Callable[[Any], tuple],
+                table: dict, notes: list[str], what: str) -> tuple[Any, Any]:
+    """The prefill and decode ``steps`` exported with their ``args`` and ``shapes(dims(named))``, lowered with
+    ``table``: named dims first; on a guard torch cannot prove over the named dims' ranges (seen on CUDA) the same
+    ranges as ``Dim.DYNAMIC`` hints, noted (``what``: the dims beyond the batch)."""
+    def export(named: bool) -> tuple[Any, Any]:
+        dynamic = shapes(dims(named))
+        prefill, decode = (torch.export.export(step, example, dynamic_shapes=shape, strict=False)
+                           .run_decompositions(table) for step, example, shape in zip(steps, args, dynamic))
+        return prefill, decode
+
+    try:
+        return export(True)
+    except Exception as exc:
+        if "Constraints violated" not in str(exc):
+            raise
+        notes.append(f"exported with Dim.DYNAMIC hints of the batch and {what} ranges (a guard torch could not prove "
+                     "over the named dims' ranges)")
+        return export(False)
+
+
 def _export_both(step: nn.Module, layout: CacheLayout, batch: int, prompt: int, cache_length: int,
                  dtype: torch.dtype, device: str) -> DecoderPrograms:
-    prefill_args, decode_args = _examples(layout, batch, prompt, cache_length, dtype, device)
     notes: list[str] = []
 
-    def shapes(named: bool):
-        make = (lambda name, lo, hi: torch.export.Dim(name, min=lo, max=hi)) if named else \
-            (lambda name, lo, hi: torch.export.Dim.DYNAMIC(min=lo, max=hi))
+    def shapes(make):
         b = make("batch", 1, batch)
         p = make("prompt", 2, cache_length)
         kv = [{0: b} for _ in range(2 * layout.layers)]
         return ({0: b, 1: p}, {0: b}, {0: p}, kv), ({0: b}, {0: b}, None, kv)
 
-    def export(args, dynamic):
-        return torch.export.export(step, args, dynamic_shapes=dynamic, strict=False)
-
-    try:
-        named_prefill, named_decode = shapes(True)
-        prefill = export(prefill_args, named_prefill)
-        decode = export(decode_args, named_decode)
-    except Exception as exc:
-        if "Constraints violated" not in str(exc):
-            raise
-        hinted_prefill, hinted_decode = shapes(False)
-        prefill = export(prefill_args, hinted_prefill)
-        decode = export(decode_args, hinted_decode)
-        notes.append("exported with Dim.DYNAMIC hints of the batch and prompt ranges (a guard torch could not "
-                     "prove over the named dims' ranges)")
     table = decompositions(layout)
+    prefill, decode = export_pair((step, step), _examples(layout, batch, prompt, cache_length, dtype, device), shapes,
+                                  table, notes, "prompt")
     if not table:
         notes.append("kept in ATen as exported, not decomposed to core ATen: the model takes the 2-D padding mask, "
                      "and decomposing its programs re-traces them with a batch guard (batch > 1) that a batch of "
                      "one row then fails")
-    return DecoderPrograms(prefill.run_decompositions(table), decode.run_decompositions(table), 0.0, notes)
+    return DecoderPrograms(prefill, decode, 0.0, notes)

@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
 
-from ..errors import ArchitectureError, describe
+from ..errors import ArchitectureError, InputsError, describe
 from .cache import CacheLayout, cache_argument, logits_of, slot_class, step_mask
-from .driver import greedy
+from .driver import Feed
 
 SPEECH = "automatic-speech-recognition"
 TEXT = "text2text-generation"
@@ -247,6 +247,25 @@ class Source:
             return torch.ones(self.batch, layout.encoder_length(self.length), dtype=torch.long)
         return self.mask.long().contiguous()
 
+    def check_fits(self, new_tokens: int, cache_length: int) -> None:
+        if 1 + new_tokens > cache_length:
+            raise InputsError(f"the start token plus {new_tokens} new tokens do not fit the {cache_length}-slot "
+                              "cache the artifact was built for",
+                              "lower --max-new-tokens, or convert with a larger generation.max_cache_len")
+
+    def feed(self, steps: Any) -> Feed:
+        """The prefill (the encoder over the source and the start token's step), then each token at the slot after
+        the last, the cross-attention keys and values read from the cache."""
+        device, layout = steps.device, steps.layout
+        values = self.values.to(device)
+        values = (values.to(steps.dtype) if values.is_floating_point() else values).contiguous()
+        mask = self.encoder_mask(layout).to(device)
+        kv = layout.allocate(self.batch, steps.cache_length, int(mask.shape[1]), steps.dtype, device)
+        start = torch.full((self.batch, 1), layout.start_token, dtype=torch.long, device=device)
+        return Feed(lambda: steps.prefill(values, mask, start, torch.zeros(1, dtype=torch.long, device=device), kv),
+                    lambda token, where: (mask, token, where, kv), 1,
+                    layout.bytes(self.batch, steps.cache_length, int(mask.shape[1]), steps.dtype))
+
 
 def make_source(layout: Seq2SeqLayout, batch: int, length: int, seed: int, dtype: torch.dtype) -> Source:
     """Seeded random source rows: token ids with odd rows right-padded by a quarter of the length (text), or
@@ -261,50 +280,6 @@ def make_source(layout: Seq2SeqLayout, batch: int, length: int, seed: int, dtype
     mask[1::2, length - pad:] = 0
     ids[mask == 0] = 0
     return Source(ids, mask)
-
-
-Call = Callable[..., torch.Tensor]
-
-
-@dataclass
-class Seq2SeqSteps:
-    prefill: Call
-    decode: Call
-    layout: Seq2SeqLayout
-    cache_length: int
-    dtype: torch.dtype
-    device: str
-    fresh_decode: Callable[[], Call] | None = None
-
-
-def check_fits(new_tokens: int, cache_length: int) -> None:
-    from ..errors import InputsError  # noqa: PLC0415
-
-    if 1 + new_tokens > cache_length:
-        raise InputsError(f"the start token plus {new_tokens} new tokens do not fit the {cache_length}-slot cache "
-                          "the artifact was built for",
-                          "lower --max-new-tokens, or convert with a larger generation.max_cache_len")
-
-
-def generate(steps: Seq2SeqSteps, source: Source, new_tokens: int, forced: torch.Tensor | None = None,
-             keep_logits: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Greedy tokens ``[B, new_tokens]`` after the start token, and each step's logits ``[B, vocab]`` (CPU);
-    with ``forced`` the reference's tokens are fed instead of the picks (teacher forcing)."""
-    check_fits(new_tokens, steps.cache_length)
-    device, layout = steps.device, steps.layout
-    batch = source.batch
-    values = source.values.to(device)
-    if values.is_floating_point():
-        values = values.to(steps.dtype)
-    mask = source.encoder_mask(layout).to(device)
-    kv = layout.allocate(batch, steps.cache_length, int(mask.shape[1]), steps.dtype, device)
-    feed = torch.full((batch, 1), layout.start_token, dtype=torch.long, device=device)
-    with torch.inference_mode():
-        out = steps.prefill(values.contiguous(), mask, feed, torch.zeros(1, dtype=torch.long, device=device), kv)
-        picks, logits = greedy(out, lambda chosen, step: steps.decode(mask, chosen, torch.tensor([step + 1],
-                                                                                                 device=device), kv),
-                               new_tokens, forced, keep_logits, device)
-    return torch.stack(picks, dim=1), logits
 
 
 # --------------------------------------------------------------------------- the reference, without any cache
@@ -354,5 +329,5 @@ def forced_logits(model: nn.Module, source: Source, layout: Seq2SeqLayout, token
     return torch.cat(out, dim=0).transpose(0, 1)
 
 
-__all__ = ["Seq2SeqStep", "Seq2SeqLayout", "Seq2SeqSteps", "Source", "TASKS", "encoder_decoder_cache", "generate",
-           "make_source", "probe_layout", "reference_generation", "forced_logits"]
+__all__ = ["Seq2SeqStep", "Seq2SeqLayout", "Source", "TASKS", "encoder_decoder_cache", "make_source", "probe_layout",
+           "reference_generation", "forced_logits"]

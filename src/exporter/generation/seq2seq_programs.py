@@ -1,26 +1,24 @@
-"""An encoder-decoder's two programs (``seq2seq``: the prefill with the encoder, one decode step), exported and
-timed.
+"""An encoder-decoder's two programs (``seq2seq``: the prefill with the encoder, one decode step), exported.
 
 ``export_seq2seq`` exports ``Seq2SeqPrefill`` and ``Seq2SeqDecode`` with the batch dynamic (1 to the recipe's
 batch) and, for text, the source length dynamic (2 to what the model's positions allow); the self-attention
 cache length is fixed and a speech model's features keep their one shape. Both programs are decomposed to core
 ATen with SDPA kept, as the decoder-only programs are, so every target that writes ``DecoderPrograms``
-(``exported_program``, ``aoti``) builds them unchanged. ``time_seq2seq`` times the prefill and the decode per
-token (on CUDA also the decode replayed from a CUDA graph).
+(``exported_program``, ``aoti``) builds them unchanged; ``programs.export_pair`` exports both, as it does a
+decoder's.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
 
 import torch
 
 from ..errors import describe
 from ..targets.context import DecoderPrograms
 from ..targets.exported_program import decomposition_table
-from .bench import time_decode, timed
-from .seq2seq import Seq2SeqDecode, Seq2SeqLayout, Seq2SeqPrefill, Seq2SeqSteps, Source
+from .programs import export_pair
+from .seq2seq import Seq2SeqDecode, Seq2SeqLayout, Seq2SeqPrefill
 
 DEFAULT_MAX_SOURCE = 1024  # the longest text source the programs take where the model sets no limit
 
@@ -106,78 +104,34 @@ def export_seq2seq(model: torch.nn.Module, layout: Seq2SeqLayout, batch: int, so
     longest = max_source(model, layout, source_length)
     notes: list[str] = []
 
-    def shapes(named: bool):
-        make = (lambda name, lo, hi: torch.export.Dim(name, min=lo, max=hi)) if named else \
-            (lambda name, lo, hi: torch.export.Dim.DYNAMIC(min=lo, max=hi))
+    def shapes(make, drop_cross: bool = False):
         b = make("batch", 1, batch) if batch > 1 else None
         s = None if layout.speech else make("source", 2, longest)
         row = {0: b} if b is not None else None
         mask = {k: v for k, v in ((0, b), (1, s)) if v is not None} or None
         own = [row for _ in range(2 * layout.layers)]
-        cross = [{k: v for k, v in ((0, b), (2, s)) if v is not None} or None for _ in range(2 * layout.layers)]
+        kv = own + [{k: v for k, v in ((0, b), (2, s)) if v is not None} or None for _ in range(2 * layout.layers)]
         source = mask if not layout.speech else row
-        return (source, mask, row, None, own + cross), (mask, row, None, own + cross)
+        return (source, mask, row, None, own if drop_cross else kv), (mask, row, None, kv)
 
-    def export(step, args, dynamic):
-        program = torch.export.export(step, args, dynamic_shapes=dynamic, strict=False)
-        return program.run_decompositions(decomposition_table())
+    def pair(first, second, drop_cross: bool = False):
+        first_args = (*prefill_args[:4], prefill_args[4][:2 * layout.layers]) if drop_cross else prefill_args
+        return export_pair((first, second), (first_args, decode_args), lambda make: shapes(make, drop_cross),
+                           decomposition_table(), notes, "source")
 
-    def export_pair(first, second, drop_cross: bool = False):
-        try:
-            named = shapes(True)
-            one = (*prefill_args[:4], prefill_args[4][:2 * layout.layers]) if drop_cross else prefill_args
-            dyn = (*named[0][:4], named[0][4][:2 * layout.layers]) if drop_cross else named[0]
-            return export(first, one, dyn), export(second, decode_args, named[1])
-        except Exception as exc:
-            if "Constraints violated" not in str(exc):
-                raise
-            hinted = shapes(False)
-            one = (*prefill_args[:4], prefill_args[4][:2 * layout.layers]) if drop_cross else prefill_args
-            dyn = (*hinted[0][:4], hinted[0][4][:2 * layout.layers]) if drop_cross else hinted[0]
-            notes.append("exported with Dim.DYNAMIC hints of the batch and source ranges (a guard torch could not "
-                         "prove over the named dims' ranges)")
-            return export(first, one, dyn), export(second, decode_args, hinted[1])
-
-    prefill, decode = export_pair(Seq2SeqPrefill(model), Seq2SeqDecode(model))
-    pair = None
+    prefill, decode = pair(Seq2SeqPrefill(model), Seq2SeqDecode(model))
+    past_pair = None
     past_error = None
     if past:
         try:
-            pair = export_pair(PrefillPast(model, layout), DecodePast(model, layout.layers), drop_cross=True)
+            past_pair = pair(PrefillPast(model, layout), DecodePast(model, layout.layers), drop_cross=True)
         except Exception as exc:  # the ONNX target fails with it; the others are built
             past_error = describe(exc)
     source = f"fixed {'x'.join(map(str, layout.source_shape))} features" if layout.speech else f"2 to {longest} tokens"
     notes.append(f"source: {source}; "
                  f"batch 1 to {batch}; self-attention cache {cache_length} slots, cross-attention keys and values "
                  "written once by the prefill")
-    programs = DecoderPrograms(prefill, decode, time.perf_counter() - t0, notes, past=pair, past_error=past_error)
+    programs = DecoderPrograms(prefill, decode, time.perf_counter() - t0, notes, past=past_pair, past_error=past_error)
     programs.layers = layout.layers
     programs.past_names = past_names(layout)
     return programs
-
-
-def time_seq2seq(steps: Seq2SeqSteps, source: Source, tokens: int, warmup: int, rounds: int,
-                 graph: bool) -> dict[str, Any]:
-    """The prefill (encoder and first step) over ``source`` and ``tokens`` decode steps after it."""
-    device, layout, batch = steps.device, steps.layout, source.batch
-    values = source.values.to(device)
-    values = values.to(steps.dtype) if values.is_floating_point() else values
-    mask = source.encoder_mask(layout).to(device)
-    kv = layout.allocate(batch, steps.cache_length, int(mask.shape[1]), steps.dtype, device)
-    token = torch.full((batch, 1), layout.start_token, dtype=torch.long, device=device)
-    tokens = max(1, min(tokens, steps.cache_length - 1))
-    out: dict[str, Any] = {"batch": batch, "prompt": source.length, "tokens": tokens}
-    with torch.inference_mode():
-        out["prefill"] = timed(lambda: steps.prefill(values, mask, token, torch.zeros(1, dtype=torch.long,
-                                                                                       device=device), kv),
-                                device, warmup, rounds)
-        where = torch.ones(1, dtype=torch.long, device=device)
-
-        def decode_all(step: Callable[[], Any]) -> None:
-            for t in range(tokens):
-                where.fill_(1 + t)
-                step()
-
-        return time_decode(out, decode_all, lambda: steps.decode(mask, token, where, kv),
-                           lambda: steps.fresh_decode() if steps.fresh_decode is not None else steps.decode,
-                           lambda step: step(mask, token, where, kv), device, rounds, graph)

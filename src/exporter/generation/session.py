@@ -29,7 +29,7 @@ from ..attention_backend import backend_context
 from ..errors import UsageError, describe
 from ..measure.bench import synchronize
 from .decoder import DECODER
-from .driver import Prompt, generate
+from .driver import generate
 from .encoder_decoder import ENCODER_DECODER, TASKS
 from .family import Family
 from .judge import judge_steps
@@ -122,14 +122,14 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     return finite(result)
 
 
-def judge_rows_alone(target: str, steps, prompt: Prompt, ref_tokens: torch.Tensor, ref_logits: torch.Tensor,
+def judge_rows_alone(target: str, steps, prompt: Any, ref_tokens: torch.Tensor, ref_logits: torch.Tensor,
                      count: int, numerics: dict[str, Any]) -> dict[str, Any]:
     """Batch 1 judged: each prompt row alone and unpadded (as the reference generated it), teacher-forced then
     free-running (with the decode program of batch 1 where there is one), the rows' logits stacked back into the
     batch and held to the same bars."""
     forced_rows: list[list[torch.Tensor]] = []
     free_rows: list[torch.Tensor] = []
-    for row in range(prompt.input_ids.shape[0]):
+    for row in range(prompt.batch):
         alone = prompt.row(row)
         _, logits = generate(steps, alone, count, forced=ref_tokens[row:row + 1, :count])
         free, _ = generate(steps, alone, count, keep_logits=False)
