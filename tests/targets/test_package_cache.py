@@ -33,16 +33,25 @@ def test_the_key_covers_the_graph_the_weights_and_the_options():
     assert key(program(model), {}, "cpu") != first
 
 
-def test_a_package_is_compiled_once_and_reused(tmp_path, monkeypatch):
+def test_a_package_is_compiled_once_and_reused_and_the_header_kept_with_inductors_cache(tmp_path, monkeypatch):
+    """Also: Inductor's precompiled C++ header is written under ``TORCHINDUCTOR_CACHE_DIR`` (which a convert's
+    children share), not under the temporary folder (a child's own, removed when it ends)."""
+    from torch._inductor import codecache
+
     from exporter.targets import aoti_loader
     from exporter.targets.package_cache import ENV, compile_package
 
     monkeypatch.setenv(ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(codecache, "_HEADER_DIR", codecache._HEADER_DIR)  # restored after the test
+    monkeypatch.setattr(codecache, "_HEADER_LOCK_DIR", codecache._HEADER_LOCK_DIR)
+    codecache._precompile_header.cache_clear()  # an earlier build in this process would not write it again
     torch.manual_seed(0)
     model = Tiny()
     exported = program(model)
     built, reused = tmp_path / "a.pt2", tmp_path / "b.pt2"
     assert compile_package(exported, built, {}, "cpu") == "stored"
+    assert list((tmp_path / "inductor" / "precompiled_headers").glob("*.gch")), "no header in the cache folder"
     assert compile_package(program(model), reused, {}, "cpu") == "reused"
     assert reused.read_bytes() == built.read_bytes()
     x = torch.randn(2, 8)  # the exported (static) shape
