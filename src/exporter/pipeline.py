@@ -28,7 +28,7 @@ from .inputs import plan_inputs
 from .measure.bench import benchmark, slower_than_source
 from .measure.kernels import audit_kernels
 from .modelio import Signature, discover_outputs
-from .numerics.proofs import checkpoint_tensors, prove_converted
+from .numerics.proofs import checkpoint_tensors, prove_built, rounding_proofs
 from .numerics.reference import run_reference
 from .numerics.validation import Validation, inherit_verdicts, not_on_grid
 from .outdir import save_tensors
@@ -198,6 +198,13 @@ class ConvertRun:
         check_space(space_needs(recipe, rewritten, self.staging))
         built = build_targets(ctx, progress, self.log, start_loading)
         self.spares.close()  # every child this run needs has started: a spare left over would only hold memory
+        program = ctx.program if ctx.decomposed is None else ctx.decomposed  # what the artifacts were built from
+        # the weights and program proofs read the files and the program, not the outputs: asked while the built
+        # variants load in their children (an ONNX session, an AOTInductor package), which they used to wait for
+        with progress.stage("proofs", "weights, and the program in float64"):
+            prove_built([r for r, _ in built], program, tensors, device, samples, reference.outputs,
+                        signature.outputs, original, recipe.quantize.enabled, self.staging, signature.inputs)
+            del tensors
         with progress.stage("validate numerics"):
             eager = validation.local("eager", original, device, dtype)
             validation.set_baseline(device, dtype, eager)
@@ -215,11 +222,7 @@ class ConvertRun:
                     live[result.name] = loading[result.name]
 
         results = [rewritten_result] + [r for r, _ in built]
-        program = ctx.program if ctx.decomposed is None else ctx.decomposed  # what the artifacts were built from
-        with progress.stage("proofs", "weights, and the program in float64"):
-            prove_converted(results, program, tensors, device, samples, reference.outputs, signature.outputs,
-                            original, recipe.quantize.enabled, self.staging, signature.inputs)
-            del tensors
+        rounding_proofs(results, reference.outputs[0], signature.outputs, len(samples))
         grid = validation.grid(results, live, plan, program, self.staging, progress)
         if later:
             with progress.stage("validate static variants", ", ".join(r.name for r in later)):

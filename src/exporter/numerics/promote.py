@@ -25,7 +25,9 @@ class PromoteCasts(TorchFunctionMode):
         if getattr(func, "__name__", "") in _CASTS and args and isinstance(args[0], torch.Tensor):
             return args[0].to(torch.float64) if args[0].is_floating_point() or func.__name__ == "float" else \
                 func(*args, **kwargs)
-        args = tuple(torch.float64 if a in LOW else a for a in args)
+        # a dtype passed by position; ``a in LOW`` on a tensor would compare it with each dtype (tens of
+        # microseconds a call, most of a small model's float64 run)
+        args = tuple(torch.float64 if isinstance(a, torch.dtype) and a in LOW else a for a in args)
         return func(*args, **kwargs)
 
 

@@ -81,14 +81,15 @@ def checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {**{n: b.detach() for n, b in model.named_buffers()}, **model.state_dict()}
 
 
-def prove_converted(results: list[VariantResult], program: Any, tensors: dict[str, torch.Tensor], device: str,
-                    samples: list[list[torch.Tensor]], reference: list[list[torch.Tensor]], names: tuple[str, ...],
-                    original: Any, quantized: bool, staging: Path | None = None,
-                    inputs: tuple[str, ...] = ()) -> None:
+def prove_built(results: list[VariantResult], program: Any, tensors: dict[str, torch.Tensor], device: str,
+                samples: list[list[torch.Tensor]], reference: list[list[torch.Tensor]], names: tuple[str, ...],
+                original: Any, quantized: bool, staging: Path | None = None, inputs: tuple[str, ...] = ()) -> None:
     """convert's own artifacts: the weights and program proofs of the exported program every ``FROM_PROGRAM``
-    target was built from (asked once, recorded on each), those of its ONNX model (``numerics/onnx64.py``), and
-    the rounding proof of every candidate."""
-    sizes = {name: int(t.numel()) for name, t in zip(names, reference[0]) if t.is_floating_point()}
+    target was built from (asked once, recorded on each) and those of its ONNX model (``numerics/onnx64.py``).
+
+    Neither reads the artifacts' outputs: convert asks them while the artifacts load in their children, before
+    the outputs are judged; the rounding proof, which reads the outputs' verdict, comes after
+    (:func:`rounding_proofs`)."""
     built = [r for r in results if r.target in FROM_PROGRAM and r.status in (OK, NUMERICS_FAILED)]
     if built and program is not None:
         constants = {k: v for k, v in {**program.state_dict, **program.constants}.items()
@@ -109,7 +110,14 @@ def prove_converted(results: list[VariantResult], program: Any, tensors: dict[st
         if result.target == "onnx" and result.status in (OK, NUMERICS_FAILED) and staging is not None and result.path:
             prove_onnx_built(result, staging / str(result.path), tensors, samples, reference, names, inputs, original,
                              quantized)
-        rounding_proof(result, sizes, len(samples))
+
+
+def rounding_proofs(results: list[VariantResult], reference: list[torch.Tensor], names: tuple[str, ...],
+                    samples: int) -> None:
+    """The rounding proof of every candidate whose outputs were judged (``reference``: one sample's outputs)."""
+    sizes = {name: int(t.numel()) for name, t in zip(names, reference) if t.is_floating_point()}
+    for result in results:
+        rounding_proof(result, sizes, samples)
 
 
 def prove_onnx_built(result: VariantResult, path: Path, tensors: dict[str, torch.Tensor], samples, reference,
@@ -155,5 +163,5 @@ def onnx_program(path: Path, tensors: dict[str, torch.Tensor], samples, referenc
     return proof
 
 
-__all__ = ["AFTER_QUANTIZATION", "QUANTIZED", "checkpoint_tensors", "onnx_program", "onnx_weights", "prove_converted",
-           "record", "rounding_proof"]
+__all__ = ["AFTER_QUANTIZATION", "QUANTIZED", "checkpoint_tensors", "onnx_program", "onnx_weights", "prove_built",
+           "record", "rounding_proof", "rounding_proofs"]

@@ -48,6 +48,13 @@ def full_float32():
         torch.set_float32_matmul_precision(precision)
 
 
+def gathers_exactly(module: nn.Module) -> bool:
+    """A plain embedding (no ``max_norm``, which rewrites its table as it reads): the rows it gathers, cast to
+    float64 afterwards, are exactly the rows of its table cast first, without casting the whole table on every
+    call (a vocabulary's table was the largest cast of a small model's float64 run)."""
+    return type(module) is nn.Embedding and module.max_norm is None
+
+
 @contextlib.contextmanager
 def upcast_while_running(model: nn.Module, dtype: torch.dtype):
     """Give each module its own parameters and buffers in ``dtype`` only while its forward runs.
@@ -58,7 +65,10 @@ def upcast_while_running(model: nn.Module, dtype: torch.dtype):
     stash: dict[int, list[dict[str, torch.Tensor]]] = {}
 
     def before(module, args, kwargs):
-        saved = {}
+        saved: dict[str, torch.Tensor] = {}
+        if gathers_exactly(module):  # its rows are cast after the gather instead (``after``)
+            stash.setdefault(id(module), []).append(saved)
+            return
         for table in (module._parameters, module._buffers):
             for name, tensor in table.items():
                 if tensor is not None and tensor.is_floating_point() and tensor.dtype != dtype:
@@ -70,6 +80,9 @@ def upcast_while_running(model: nn.Module, dtype: torch.dtype):
     def after(module, args, kwargs, output):
         for name, tensor in stash[id(module)].pop().items():
             (module._parameters if name in module._parameters else module._buffers)[name] = tensor
+        if gathers_exactly(module) and isinstance(output, torch.Tensor) and output.is_floating_point():
+            return output.to(dtype)
+        return None
 
     with contextlib.ExitStack() as stack:
         for module in model.modules():
