@@ -66,10 +66,8 @@ def upcast_while_running(model: nn.Module, dtype: torch.dtype):
 
     def before(module, args, kwargs):
         saved: dict[str, torch.Tensor] = {}
-        if gathers_exactly(module):  # its rows are cast after the gather instead (``after``)
-            stash.setdefault(id(module), []).append(saved)
-            return
-        for table in (module._parameters, module._buffers):
+        # an embedding's rows are cast after the gather instead (``after``)
+        for table in () if gathers_exactly(module) else (module._parameters, module._buffers):
             for name, tensor in table.items():
                 if tensor is not None and tensor.is_floating_point() and tensor.dtype != dtype:
                     saved[name] = tensor
