@@ -9,6 +9,8 @@
         projections fused where the variant fuses) and then with Inductor's own form, in one process
     ... --only 8,10 --no-eager: the program of batch 1 as built, then the same with programmatic dependent launch
         (Inductor's triton.enable_pdl), where this torch has it
+    ... --only 8,11 --no-eager: the program of batch 1 as built, then the same with its attention as
+        exporter::decode_attention (kernels/decode_attention.py: generation.decode_attention_kernel)
 
 (one 10-minute call builds about four variants; docs/runs/h100-bf16-decode-probe-fused.md took two.)
 Builds the Llama-3.2-1B-shaped decoder of benchmarks/gpu_generation.sh (random weights, bf16, SDPA), exports its
@@ -157,18 +159,21 @@ def main() -> None:
         rows.append(eager)
         print(json.dumps(eager)[:400], flush=True)
 
-    def export(static_batch: bool, fuse: bool, backend: str, kernel: bool = False):
+    def export(static_batch: bool, fuse: bool, backend: str, kernel: bool = False, attention: bool = False):
         import contextlib
 
         from torch import nn
 
         from exporter.generation.fused_projections import fused_projections
+        from exporter.kernels.decode_attention import routed
         from exporter.quantize.fp8 import Fp8Linear
         from exporter.quantize.fp8_gemv import one_row_kernel
 
         with contextlib.ExitStack() as stack:
             stack.enter_context(backend_context(backend, "cuda"))
             stack.enter_context(one_row_kernel(kernel))
+            if attention:
+                stack.enter_context(routed())
             if fuse:  # as generation.fuse_projections does: q, k, v and gate, up as one product each
                 kinds = (nn.Linear, Fp8Linear) if kernel else (nn.Linear,)
                 stack.enter_context(fused_projections(model, lambda: step(ids, pad, where, kv), kinds))
@@ -199,6 +204,9 @@ def main() -> None:
         # programmatic dependent launch: each Triton kernel may start while the one before it finishes its tail
         ("AOTI, fused, batch 1, coordinate descent + PDL (triton.enable_pdl)", True, True,
          {"coordinate_descent_tuning": True, "triton.enable_pdl": True}, "auto"),
+        # the attention of each layer as exporter::decode_attention (generation.decode_attention_kernel)
+        ("AOTI, fused, batch 1, coordinate descent, exporter::decode_attention", True, True,
+         {"coordinate_descent_tuning": True}, "auto", True),
     ]
     from exporter.targets.aoti import program_tensors
 
@@ -220,8 +228,11 @@ def main() -> None:
             label = "fp8 weight-only, fp8_gemv kernel: " if form == "kernel" else "fp8 weight-only, Inductor: "
             runs += [(label, n, v) for n, v in enumerate(variants, 1)]
     quantized, weights_fp8 = False, 0
-    for prefix, number, (name, static, fuse, configs, backend) in runs:
+    with torch.inference_mode():  # the eager step's logits: a sanity check of every variant
+        eager_logits = step(ids, pad, where, kv).float().clone()
+    for prefix, number, (name, static, fuse, configs, backend, *flags) in runs:
         kernel = "kernel" in prefix
+        attention = bool(flags and flags[0])
         if only and number not in only:
             continue
         if prefix and not quantized:
@@ -238,12 +249,12 @@ def main() -> None:
             rows.append({"variant": name, "skipped": "time budget spent"})
             continue
         try:
-            if (static, fuse, backend, kernel) not in programs:
-                programs[(static, fuse, backend, kernel)] = export(static, fuse, backend, kernel)
+            if (static, fuse, backend, kernel, attention) not in programs:
+                programs[(static, fuse, backend, kernel, attention)] = export(static, fuse, backend, kernel, attention)
             t0 = time.perf_counter()
             path = Path("/tmp") / f"probe-{len(rows)}.pt2"
             with backend_context(backend, "cuda"):
-                program = programs[(static, fuse, backend, kernel)]
+                program = programs[(static, fuse, backend, kernel, attention)]
                 torch._inductor.aoti_compile_and_package(program, package_path=str(path),
                                                          inductor_configs={"cpp.vec_isa_ok": False,
                                                                            "aot_inductor.package_constants_in_so":
@@ -253,10 +264,10 @@ def main() -> None:
             with torch.inference_mode():
                 row = {"variant": name, "build_s": build_s, "graph_ms": graph_ms(functools.partial(fresh_call, path))}
                 row.update(profile_step(fresh_call(path)))
-                if quantized:  # a sanity check, not the gate: relative L2 of the logits from the quantized eager step
-                    logits = fresh_call(path)()
-                    logits = (logits[0] if isinstance(logits, (list, tuple)) else logits).float()
-                    row["logits_rel_l2_vs_eager"] = float((logits - eager_logits).norm() / eager_logits.norm())
+                # a sanity check, not the gate: relative L2 of the logits from the (quantized) eager step's
+                logits = fresh_call(path)()
+                logits = (logits[0] if isinstance(logits, (list, tuple)) else logits).float()
+                row["logits_rel_l2_vs_eager"] = float((logits - eager_logits).norm() / eager_logits.norm())
         except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, the others still run
             row = {"variant": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}",
                    "traceback": traceback.format_exc()[-3000:]}
@@ -291,7 +302,7 @@ def main() -> None:
     lines = [f"# Decode step at batch 1 ({what}, bf16, 512-slot cache): weights read {weights / 1e9:.2f} GB, "
              f"copy-bandwidth limit {limit_ms:.2f} ms at 4.17 TB/s"
              + (f"; fp8 weight-only {weights_fp8 / 1e9:.2f} GB, {fp8_limit_ms:.2f} ms" if quantized else ""), "",
-             "| variant | graph ms/token | of limit | kernels/step | kernel ms/step | build s | logits vs fp8 eager |",
+             "| variant | graph ms/token | of limit | kernels/step | kernel ms/step | build s | logits vs eager |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         if "graph_ms" in row:

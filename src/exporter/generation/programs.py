@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import describe
+from ..kernels.decode_attention import routed
 from ..quantize.fp8 import Fp8Linear
 from ..quantize.fp8_gemv import one_row_kernel
 from ..quantize.schemes import scheme
@@ -60,13 +61,14 @@ def _examples(layout: CacheLayout, batch: int, prompt: int, cache_length: int, d
 
 def export_steps(step: DecoderStep, layout: CacheLayout, batch: int, prompt: int, cache_length: int,
                  dtype: torch.dtype, device: str, fuse: bool = False, past: bool = False,
-                 one: bool = False) -> DecoderPrograms:
+                 one: bool = False, attention_kernel: bool = False) -> DecoderPrograms:
     """Both programs, decomposed to core ATen with SDPA kept. Named dims first; on a guard torch cannot prove
     over the range (seen on CUDA) the same ranges as ``Dim.DYNAMIC`` hints, noted. ``fuse``: the linears that
     read one tensor (q, k, v; gate, up) exported as one product each (``generation.fused_projections``). ``past``:
     also both programs as ``PastStep`` (the cache in and out), for ONNX; a failure there is
     recorded (``past_error``) and leaves the other programs be. ``one``: also the decode program of batch 1,
-    every shape static (``decode_one``)."""
+    every shape static (``decode_one``); with ``attention_kernel`` its attention calls on CUDA run
+    ``exporter::decode_attention`` (``kernels/decode_attention.py``), the calls it does not take SDPA as before."""
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
         groups = []
@@ -77,9 +79,13 @@ def export_steps(step: DecoderStep, layout: CacheLayout, batch: int, prompt: int
         exported = _export_both(step, layout, batch, prompt, cache_length, dtype, device)
         if one:
             _, single = _examples(layout, 1, prompt, cache_length, dtype, device)
-            with one_row_kernel():
+            with one_row_kernel(), routed(attention_kernel) as route:
                 program = torch.export.export(step, single, strict=False)
             exported.decode_one = program.run_decompositions(decompositions(layout))
+            if route is not None:
+                exported.notes.append(f"the decode program of batch 1: {route.routed} attention call(s) as "
+                                      f"exporter::decode_attention, {route.kept} kept on SDPA "
+                                      "(generation.decode_attention_kernel)")
         if past:
             try:
                 both = _export_both(PastStep(step), layout, batch, prompt, cache_length, dtype, device)

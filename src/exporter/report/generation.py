@@ -211,7 +211,9 @@ def render_generation(report: dict[str, Any]) -> str:
         if programs:
             attend = "Attention" if row["name"] == "onnx" else "sdpa"  # what SDPA is in an ONNX graph
             lines.append(f"- {row['name']} programs: " + "; ".join(
-                f"{name}: {attend} ×{ops['sdpa']}, softmax ×{ops['softmax']}" for name, ops in programs.items())
+                f"{name}: {attend} ×{ops['sdpa']}, softmax ×{ops['softmax']}"
+                + (f", exporter::decode_attention ×{ops['decode_attention']}" if ops.get("decode_attention") else "")
+                for name, ops in programs.items())
                 + (f"; {len(row['fused_projections'])} groups of linears fused into one product each"
                    if row.get("fused_projections") else ""))
     attention = report["attention"]

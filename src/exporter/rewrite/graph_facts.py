@@ -314,7 +314,8 @@ def unrepeated_heads(node: fx.Node) -> tuple[fx.Node, int, bool] | None:
 
 
 def count_graph_ops(graph: fx.Graph) -> dict[str, int]:
-    """SDPA, softmax and matmul nodes of an FX graph (the proof that attention survived as SDPA)."""
+    """SDPA, softmax and matmul nodes of an FX graph (the proof that attention survived as SDPA), and
+    ``exporter::decode_attention`` nodes where there are any."""
     counts = {"sdpa": 0, "softmax": 0, "matmul": 0}
     for node in graph.nodes:
         if node.op != "call_function":
@@ -322,6 +323,8 @@ def count_graph_ops(graph: fx.Graph) -> dict[str, int]:
         text = str(node.target)
         if "scaled_dot_product" in text:
             counts["sdpa"] += 1
+        elif text.startswith("exporter.decode_attention"):  # kernels/decode_attention.py: one decode step's attention
+            counts["decode_attention"] = counts.get("decode_attention", 0) + 1
         elif "softmax" in text:
             counts["softmax"] += 1
         elif any(op in text for op in ("aten.bmm", "aten.matmul", "aten.mm.", "aten.baddbmm")):
