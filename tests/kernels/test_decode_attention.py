@@ -10,7 +10,7 @@ in bfloat16 it is the rounding of the softmax weights and of the output, no more
 rounding (Triton's interpreter rounds toward zero where the GPU rounds to nearest, which doubles both). The same
 bounds fail a kernel handed a scale 10% off or no mask. Through a real decoder's step (transformers' Llama with
 grouped-query heads, GPT-2 without), routed eagerly, every attention call runs the kernel and the logits are the
-step's own."""
+step's own. The step's mask built by ``exporter::step_mask`` is the step's own mask, bit for bit."""
 
 from __future__ import annotations
 
@@ -98,6 +98,25 @@ print(json.dumps(rows))
 """
 
 
+MASK = r"""
+import json, torch
+from exporter.generation.cache import step_mask
+from exporter.kernels import decode_attention as da
+torch.manual_seed(0)
+rows = []
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    padding = (torch.rand(3, 1500) > 0.2).long()  # three rows, slots past one block of the kernel
+    positions = torch.tensor([0, 700, 1499])
+    built = torch.ops.exporter.step_mask(padding, positions, dtype)
+    want = step_mask(padding, positions, dtype)
+    with da.routed(devices=("cpu",)):
+        routed = step_mask(padding, positions, dtype)  # what a step traced inside routed() builds
+    rows.append({"dtype": str(dtype), "shape": list(built.shape), "equal": bool(torch.equal(built, want)),
+                 "routed_equal": bool(torch.equal(routed, want)), "hidden": int((want != 0).sum())})
+print(json.dumps(rows))
+"""
+
+
 def interpreted(script: str, *args: str) -> list[dict]:
     if not (TRITON / "triton").is_dir():
         pytest.skip("Triton is not installed in .triton/ (scripts/test.sh installs it)")
@@ -139,6 +158,12 @@ def test_a_decoder_step_routed_runs_every_attention_in_the_kernel(kind):
     for row in interpreted(STEP, kind):
         assert row["routed"] == row["layers"] and row["kept"] == 0, row  # every layer's attention, none left on SDPA
         assert row["kernel"] < 1e-5 and row["kernel"] < 10 * row["sdpa"] + 1e-6, row  # the step's own logits
+
+
+def test_the_step_mask_kernel_builds_the_steps_mask_bit_for_bit():
+    for row in interpreted(MASK):
+        assert row["shape"] == [3, 1, 3, 1500] and row["hidden"] > 0, row
+        assert row["equal"] and row["routed_equal"], row  # 0 and the dtype's lowest value, where the step puts them
 
 
 def test_only_one_row_over_the_whole_cache_is_taken():

@@ -43,6 +43,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import ArchitectureError, describe
+from ..kernels import decode_attention
 
 
 def cache_argument(model: nn.Module) -> str:
@@ -128,7 +129,10 @@ def slot_class(positions: torch.Tensor) -> type:
 
 def step_mask(padding_mask: torch.Tensor, cache_position: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The additive mask ``[B, 1, q, C]``: query i sees slot j when j <= cache_position[i] and slot j is not
-    padding; elsewhere the dtype's lowest finite value."""
+    padding; elsewhere the dtype's lowest finite value. Inside ``kernels.decode_attention.routed`` (the decode
+    program of batch 1 with ``generation.decode_attention_kernel``) one kernel builds it, read by every layer."""
+    if decode_attention.mask_in_kernel(padding_mask):
+        return torch.ops.exporter.step_mask(padding_mask, cache_position, dtype)
     slots = torch.arange(padding_mask.shape[1], device=padding_mask.device)
     allowed = (padding_mask[:, None, None, :] != 0) & \
         (slots[None, None, None, :] <= cache_position[None, None, :, None])

@@ -11,6 +11,10 @@ the query rows that share it (the query heads of its group, and any rows of the 
 values summed in float32. With more than one slice a second kernel merges the slices' partial sums (flash
 decoding); with one, the first writes the output.
 
+The step's additive mask (``generation.cache.step_mask``) is built by a kernel of its own inside :func:`routed`
+(``exporter::step_mask``): one buffer every layer reads, where Inductor, left to itself, writes the few pointwise
+operations that make it again beside each layer's attention.
+
 It is registered with ``torch.library.triton_op`` as ``exporter::decode_attention`` and used only inside
 :func:`routed` (the decode program of batch 1, ``generation.decode_batch_1``, traced for AOTInductor on CUDA):
 there a call of ``scaled_dot_product_attention`` that :func:`eligible` accepts becomes one node of this op, and
@@ -228,6 +232,38 @@ if AVAILABLE:
                wrap=wrap_triton)
         return out
 
+    @triton.jit
+    def _mask_kernel(pad_ptr, pos_ptr, out_ptr, slots, queries, low, BLOCK: tl.constexpr):
+        row = tl.program_id(0)  # batch row row // queries, query row % queries
+        position = tl.load(pos_ptr + row % queries)
+        for start in range(0, slots, BLOCK):
+            c = start + tl.arange(0, BLOCK)
+            inside = c < slots
+            pad = tl.load(pad_ptr + (row // queries) * slots + c, mask=inside, other=0)
+            value = tl.where((pad != 0) & (c <= position), 0.0, low)
+            tl.store(out_ptr + row * slots + c, value.to(out_ptr.dtype.element_ty), mask=inside)
+
+    @triton_op("exporter::step_mask", mutates_args={})
+    def step_mask(padding_mask: torch.Tensor, cache_position: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``generation.cache.step_mask`` as one kernel: ``[B, 1, q, C]``, 0 where query i may see slot j (j at most
+        its position and not padding), the dtype's lowest value elsewhere."""
+        batch, slots = padding_mask.shape
+        queries = cache_position.shape[0]
+        out = torch.empty((batch, 1, queries, slots), dtype=dtype, device=padding_mask.device)
+        wrap_triton(_mask_kernel)[(batch * queries,)](padding_mask.contiguous(), cache_position.contiguous(), out,
+                                                      slots, queries, torch.finfo(dtype).min,
+                                                      BLOCK=min(1024, _pow2(slots)))
+        return out
+
+
+_MASK_DEVICES: tuple[str, ...] = ()  # set inside routed(): where the step's mask is built by exporter::step_mask
+
+
+def mask_in_kernel(padding_mask: torch.Tensor) -> bool:
+    """Whether ``generation.cache.step_mask`` builds this step's mask with ``exporter::step_mask`` (inside
+    :func:`routed`, on one of its devices)."""
+    return padding_mask.device.type in _MASK_DEVICES
+
 
 class _Route(TorchFunctionMode):
     """Each SDPA call that :func:`eligible` accepts becomes :func:`decode_attention`; the rest run as before."""
@@ -264,16 +300,22 @@ class _Route(TorchFunctionMode):
 @contextlib.contextmanager
 def routed(active: bool = True, devices: tuple[str, ...] = ("cuda",)) -> Iterator[_Route | None]:
     """Inside: SDPA calls that :func:`eligible` accepts run :func:`decode_attention` (a program traced here holds
-    it), and transformers passes grouped-query heads unrepeated. Yields the router (its ``routed`` and ``kept``
-    count the calls), or None where the kernel is not available or ``active`` is false."""
+    it), the step's mask is built by ``exporter::step_mask``, and transformers passes grouped-query heads
+    unrepeated. Yields the router (its ``routed`` and ``kept`` count the calls), or None where the kernel is not
+    available or ``active`` is false."""
     if not (active and AVAILABLE):
         yield None
         return
+    global _MASK_DEVICES
     route = _Route(devices)
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(_gqa_unrepeated(route))
-        stack.enter_context(route)
-        yield route
+    before, _MASK_DEVICES = _MASK_DEVICES, devices
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_gqa_unrepeated(route))
+            stack.enter_context(route)
+            yield route
+    finally:
+        _MASK_DEVICES = before
 
 
 @contextlib.contextmanager
