@@ -211,11 +211,10 @@ def test_a_batch_1_decode_program_without_its_target_or_task_is_refused():
     built = resolve_recipe("cpu-fp32", targets=("aoti",), settings=on, task="text-generation")
     assert built.generation.decode_batch_1
     assert resolve_recipe("cpu-fp32", targets=("exported_program",), settings=on).generation.decode_batch_1
-    kernel = ("generation.decode_attention_kernel=true",)  # a form of that program: without it, refused by name
-    with pytest.raises(RecipeError, match=r"generation.decode_attention_kernel: .*decode_batch_1 = false"):
-        resolve_recipe("cpu-fp32", targets=("aoti",), settings=kernel, task="text-generation")
-    assert resolve_recipe("cpu-fp32", targets=("aoti",), settings=on + kernel,
-                          task="text-generation").generation.decode_attention_kernel
+    assert built.generation.decode_attention_kernel  # that program's attention as the kernel, on CUDA, unless told
+    off = resolve_recipe("cpu-fp32", targets=("aoti",), settings=on + ("generation.decode_attention_kernel=false",),
+                         task="text-generation")
+    assert off.generation.decode_batch_1 and not off.generation.decode_attention_kernel
 
 
 def test_nothing_a_checked_file_holds_runs_unless_a_recipe_or_flag_says_so(tmp_path):

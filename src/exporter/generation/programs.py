@@ -79,7 +79,7 @@ def export_steps(step: DecoderStep, layout: CacheLayout, batch: int, prompt: int
         exported = _export_both(step, layout, batch, prompt, cache_length, dtype, device)
         if one:
             _, single = _examples(layout, 1, prompt, cache_length, dtype, device)
-            with one_row_kernel(), routed(attention_kernel) as route:
+            with one_row_kernel(), routed(attention_kernel and device.startswith("cuda")) as route:
                 program = torch.export.export(step, single, strict=False)
             exported.decode_one = program.run_decompositions(decompositions(layout))
             if route is not None:

@@ -213,16 +213,8 @@ def check_combination(recipe: Recipe, source: str = "") -> None:
 
 
 def _check_decode_batch_1(recipe: Recipe, source: str) -> None:
-    """``generation.decode_batch_1`` asks for a program only the aoti target builds, for a decoder's generation;
-    ``generation.decode_attention_kernel`` is a form of that program."""
-    gen = recipe.generation
-    if gen.decode_attention_kernel and not gen.decode_batch_1 and recipe.model.task != "forward":
-        p = recipe_problems(source or recipe.source or recipe.name,
-                            "set generation.decode_batch_1 = true too, or leave decode_attention_kernel out")
-        p.add("generation.decode_attention_kernel", "the kernel runs in the decode program of batch 1, which "
-              "generation.decode_batch_1 = false does not build")
-        p.raise_if_any()
-    if not gen.decode_batch_1 or recipe.model.task == "forward":
+    """``generation.decode_batch_1`` asks for a program only the aoti target builds, for a decoder's generation."""
+    if not recipe.generation.decode_batch_1 or recipe.model.task == "forward":
         return
     p = recipe_problems(source or recipe.source or recipe.name,
                   "set generation.decode_batch_1 = false, or build what it needs (docs/generation.md)")

@@ -89,9 +89,10 @@ class GenerationSection:
     # AOTI: also a decode program with the batch fixed at 1, compiled with Inductor's coordinate-descent tuning (a
     # product of one row becomes a reduction kernel tuned to it); the runner uses it for a batch of one row
     decode_batch_1: bool = False
-    # the decode program of batch 1 on CUDA: each attention as exporter::decode_attention (kernels/decode_attention.py),
-    # the cache's grouped heads read once and the mask as one row, instead of SDPA after transformers' repeat_kv
-    decode_attention_kernel: bool = False
+    # the decode program of batch 1 (where decode_batch_1 builds one), on CUDA: each attention as
+    # exporter::decode_attention (kernels/decode_attention.py), the cache's grouped heads read once and the mask as one
+    # row, instead of SDPA after transformers' repeat_kv; false keeps SDPA
+    decode_attention_kernel: bool = True
 
 
 QUANTIZE_SCHEMES = ("none", "fp8-rowwise", "fp8-weight-only")
