@@ -33,11 +33,13 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from ..rewrite.transformers_masks import _patched
 
 try:  # Triton comes with PyTorch's CUDA builds only
     import triton
@@ -328,20 +330,18 @@ def _gqa_unrepeated(route: _Route) -> Iterator[None]:
     except ImportError:
         yield
         return
-    original = getattr(sdpa_attention, "use_gqa_in_sdpa", None)
-    if original is None:
+    if getattr(sdpa_attention, "use_gqa_in_sdpa", None) is None:
         yield
         return
 
-    def use_gqa_in_sdpa(attention_mask, key, *args, **kwargs):
-        if original(attention_mask, key, *args, **kwargs):
-            return True
-        one_row = attention_mask is None or all(size == 1 for size in attention_mask.shape[:-1])
-        route.gqa_forced = one_row
-        return one_row
+    def unrepeated(original: Callable[..., bool]) -> Callable[..., bool]:
+        def use_gqa_in_sdpa(attention_mask, key, *args, **kwargs):
+            if original(attention_mask, key, *args, **kwargs):
+                return True
+            one_row = attention_mask is None or all(size == 1 for size in attention_mask.shape[:-1])
+            route.gqa_forced = one_row
+            return one_row
+        return use_gqa_in_sdpa
 
-    sdpa_attention.use_gqa_in_sdpa = use_gqa_in_sdpa
-    try:
+    with _patched(sdpa_attention, "use_gqa_in_sdpa", unrepeated):
         yield
-    finally:
-        sdpa_attention.use_gqa_in_sdpa = original
