@@ -11,6 +11,8 @@
         (Inductor's triton.enable_pdl), where this torch has it
     ... --only 8,11 --no-eager: the program of batch 1 as built, then the same with its attention as
         exporter::decode_attention (kernels/decode_attention.py: generation.decode_attention_kernel)
+    ... --only 11,12 --no-eager: that, then the same with each product of one row, its RMSNorm, activation and
+        residual add as exporter::gemv (kernels/decode_products.py)
 
 (one 10-minute call builds about four variants; docs/runs/h100-bf16-decode-probe-fused.md took two.)
 Builds the Llama-3.2-1B-shaped decoder of benchmarks/gpu_generation.sh (random weights, bf16, SDPA), exports its
@@ -207,6 +209,10 @@ def main() -> None:
         # the attention of each layer as exporter::decode_attention (generation.decode_attention_kernel)
         ("AOTI, fused, batch 1, coordinate descent, exporter::decode_attention", True, True,
          {"coordinate_descent_tuning": True}, "auto", True),
+        # and each product with its RMSNorm, activation and residual add as exporter::gemv
+        # (kernels/decode_products.py: generation.decode_gemv_kernel)
+        ("AOTI, fused, batch 1, coordinate descent, exporter::decode_attention + exporter::gemv", True, True,
+         {"coordinate_descent_tuning": True}, "auto", True, True),
     ]
     from exporter.targets.aoti import program_tensors
 
@@ -233,6 +239,7 @@ def main() -> None:
     for prefix, number, (name, static, fuse, configs, backend, *flags) in runs:
         kernel = "kernel" in prefix
         attention = bool(flags and flags[0])
+        products = len(flags) > 1 and bool(flags[1])
         if only and number not in only:
             continue
         if prefix and not quantized:
@@ -249,12 +256,19 @@ def main() -> None:
             rows.append({"variant": name, "skipped": "time budget spent"})
             continue
         try:
-            if (static, fuse, backend, kernel, attention) not in programs:
-                programs[(static, fuse, backend, kernel, attention)] = export(static, fuse, backend, kernel, attention)
+            key = (static, fuse, backend, kernel, attention, products)
+            if key not in programs:
+                programs[key] = export(static, fuse, backend, kernel, attention)
+                if products:
+                    from exporter.kernels.decode_products import fuse as fuse_products
+
+                    print(fuse_products(programs[key]).note(), flush=True)
             t0 = time.perf_counter()
             path = Path("/tmp") / f"probe-{len(rows)}.pt2"
-            with backend_context(backend, "cuda"):
-                program = programs[(static, fuse, backend, kernel, attention)]
+            from exporter.targets.aoti import int_arrays_declared_where_used
+
+            with backend_context(backend, "cuda"), int_arrays_declared_where_used():
+                program = programs[key]
                 torch._inductor.aoti_compile_and_package(program, package_path=str(path),
                                                          inductor_configs={"cpp.vec_isa_ok": False,
                                                                            "aot_inductor.package_constants_in_so":

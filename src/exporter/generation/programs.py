@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import describe
+from ..kernels import decode_products, gemv
 from ..kernels.decode_attention import routed
 from ..quantize.fp8 import Fp8Linear
 from ..quantize.fp8_gemv import one_row_kernel
@@ -61,14 +62,16 @@ def _examples(layout: CacheLayout, batch: int, prompt: int, cache_length: int, d
 
 def export_steps(step: DecoderStep, layout: CacheLayout, batch: int, prompt: int, cache_length: int,
                  dtype: torch.dtype, device: str, fuse: bool = False, past: bool = False,
-                 one: bool = False, attention_kernel: bool = False) -> DecoderPrograms:
+                 one: bool = False, attention_kernel: bool = False, gemv_kernel: bool = False) -> DecoderPrograms:
     """Both programs, decomposed to core ATen with SDPA kept. Named dims first; on a guard torch cannot prove
     over the range (seen on CUDA) the same ranges as ``Dim.DYNAMIC`` hints, noted. ``fuse``: the linears that
     read one tensor (q, k, v; gate, up) exported as one product each (``generation.fused_projections``). ``past``:
     also both programs as ``PastStep`` (the cache in and out), for ONNX; a failure there is
     recorded (``past_error``) and leaves the other programs be. ``one``: also the decode program of batch 1,
     every shape static (``decode_one``); with ``attention_kernel`` its attention calls on CUDA run
-    ``exporter::decode_attention`` (``kernels/decode_attention.py``), the calls it does not take SDPA as before."""
+    ``exporter::decode_attention`` (``kernels/decode_attention.py``), the calls it does not take SDPA as before; with
+    ``gemv_kernel`` its products of one row on CUDA, with the RMSNorm before and the activation or residual add after
+    each, run ``exporter::gemv`` (``kernels/decode_products.py``)."""
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
         groups = []
@@ -82,6 +85,9 @@ def export_steps(step: DecoderStep, layout: CacheLayout, batch: int, prompt: int
             with one_row_kernel(), routed(attention_kernel and device.startswith("cuda")) as route:
                 program = torch.export.export(step, single, strict=False)
             exported.decode_one = program.run_decompositions(decompositions(layout))
+            if gemv_kernel and device.startswith("cuda") and gemv.AVAILABLE:
+                fused = decode_products.fuse(exported.decode_one)
+                exported.notes.append(f"the decode program of batch 1: {fused.note()} (generation.decode_gemv_kernel)")
             if route is not None:
                 exported.notes.append(f"the decode program of batch 1: {route.routed} attention call(s) as "
                                       f"exporter::decode_attention, {route.kept} kept on SDPA "

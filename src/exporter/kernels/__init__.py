@@ -3,4 +3,7 @@ AOTInductor compiles it into the package, so a package that holds one needs noth
 
 - :mod:`.decode_attention`: the attention of one decode step over a static KV cache, the mask read as one row
   and grouped-query heads read once (the decode program of batch 1).
+- :mod:`.gemv`: a product of one row with the RMSNorm before it, the gated activation after a fused gate/up
+  product and the residual add after it folded in; :mod:`.decode_products` is the rewrite of the decode program of
+  batch 1 that puts it in place of the patterns it matches (``generation.decode_gemv_kernel``).
 """

@@ -93,6 +93,9 @@ class GenerationSection:
     # exporter::decode_attention (kernels/decode_attention.py), the cache's grouped heads read once and the mask as one
     # row, instead of SDPA after transformers' repeat_kv; false keeps SDPA
     decode_attention_kernel: bool = True
+    # the same program, on CUDA: each product of one row, with the RMSNorm before it, silu(gate) * up after a fused
+    # gate/up product and the residual add after it, as one exporter::gemv kernel (kernels/decode_products.py)
+    decode_gemv_kernel: bool = False
 
 
 QUANTIZE_SCHEMES = ("none", "fp8-rowwise", "fp8-weight-only")

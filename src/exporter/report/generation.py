@@ -213,6 +213,7 @@ def render_generation(report: dict[str, Any]) -> str:
             lines.append(f"- {row['name']} programs: " + "; ".join(
                 f"{name}: {attend} ×{ops['sdpa']}, softmax ×{ops['softmax']}"
                 + (f", exporter::decode_attention ×{ops['decode_attention']}" if ops.get("decode_attention") else "")
+                + (f", exporter::gemv ×{ops['gemv']}" if ops.get("gemv") else "")
                 for name, ops in programs.items())
                 + (f"; {len(row['fused_projections'])} groups of linears fused into one product each"
                    if row.get("fused_projections") else ""))

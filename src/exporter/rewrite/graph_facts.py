@@ -315,7 +315,7 @@ def unrepeated_heads(node: fx.Node) -> tuple[fx.Node, int, bool] | None:
 
 def count_graph_ops(graph: fx.Graph) -> dict[str, int]:
     """SDPA, softmax and matmul nodes of an FX graph (the proof that attention survived as SDPA), and
-    ``exporter::decode_attention`` nodes where there are any."""
+    ``exporter::decode_attention`` and ``exporter::gemv`` nodes where there are any."""
     counts = {"sdpa": 0, "softmax": 0, "matmul": 0}
     for node in graph.nodes:
         if node.op != "call_function":
@@ -325,6 +325,8 @@ def count_graph_ops(graph: fx.Graph) -> dict[str, int]:
             counts["sdpa"] += 1
         elif text.startswith("exporter.decode_attention"):  # kernels/decode_attention.py: one decode step's attention
             counts["decode_attention"] = counts.get("decode_attention", 0) + 1
+        elif text.startswith("exporter.gemv"):  # kernels/gemv.py: a product of one row and what surrounds it
+            counts["gemv"] = counts.get("gemv", 0) + 1
         elif "softmax" in text:
             counts["softmax"] += 1
         elif any(op in text for op in ("aten.bmm", "aten.matmul", "aten.mm.", "aten.baddbmm")):

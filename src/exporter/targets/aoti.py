@@ -21,6 +21,7 @@ import contextlib
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -178,6 +179,35 @@ DECODER_WEIGHTS = "generation.aoti.weights.safetensors"  # the weights of both d
 BATCH_1_CONFIGS = {"coordinate_descent_tuning": True}
 
 
+@contextlib.contextmanager
+def int_arrays_declared_where_used() -> Iterator[bool]:
+    """Inductor's C++ wrapper (torch 2.11 to 2.13) caches the name of each size/stride array it declares by the
+    ``id()`` of the buffer the declaration went to. A short-lived buffer's ``id`` taken again by a later one makes a
+    later use find a name declared where it cannot see it, and the wrapper does not compile (``'int_array_93' was
+    not declared in this scope``, seen building the decode program of batch 1 with ``exporter::gemv`` on an H100;
+    pytorch/pytorch#193621). Inside, every use declares its own array (a longer wrapper, nothing else). Yields
+    whether torch had the method to replace."""
+    try:
+        from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu  # noqa: PLC0415
+    except ImportError:
+        yield False
+        return
+    original = CppWrapperCpu.__dict__.get("codegen_int_array_var")
+    declare = getattr(CppWrapperCpu, "_codegen_int_array_var_impl", None)
+    if original is None or declare is None:
+        yield False
+        return
+
+    def codegen_int_array_var(self, int_array, writeline, known_statically=False, graph=None):
+        return declare(self, int_array, writeline, known_statically)
+
+    setattr(CppWrapperCpu, "codegen_int_array_var", codegen_int_array_var)  # noqa: B010 - mypy: a method
+    try:
+        yield True
+    finally:
+        setattr(CppWrapperCpu, "codegen_int_array_var", original)  # noqa: B010
+
+
 def shared_tensors(prefill: list[tuple[str, torch.Tensor]],
                    decode: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
     """The constants of both programs, each name once. Both come from one module, so a name they share is one
@@ -208,7 +238,8 @@ def build_decoder(programs: DecoderPrograms, settings: BuildSettings, files: tup
         configs: dict[str, Any] = {"aot_inductor.package_constants_in_so": False}
         for index, (program, path) in enumerate(zip(compiled, files)):
             own = {**configs, **BATCH_1_CONFIGS} if index == 2 else configs
-            compile_package(program, path, own, device, {"attention_backend": settings.attention_backend})
+            with int_arrays_declared_where_used() if index == 2 else contextlib.nullcontext():
+                compile_package(program, path, own, device, {"attention_backend": settings.attention_backend})
     weights = staging / DECODER_WEIGHTS
     save_named_tensors(weights, tensors)
     loader = staging / LOADER

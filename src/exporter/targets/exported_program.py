@@ -145,12 +145,13 @@ def load(spec: RunnerSpec) -> Loaded:
 
 
 def program_attention(program: Any) -> dict[str, int]:
-    """SDPA and softmax nodes in a program's graph: what its attention runs as (and ``exporter::decode_attention``
-    nodes, where the decode program of batch 1 holds any)."""
+    """SDPA and softmax nodes in a program's graph: what its attention runs as (and ``exporter::decode_attention`` and
+    ``exporter::gemv`` nodes, where the decode program of batch 1 holds any)."""
     ops = count_graph_ops(program.graph_module.graph)
     found = {"sdpa": ops["sdpa"], "softmax": ops["softmax"]}
-    if ops.get("decode_attention"):
-        found["decode_attention"] = ops["decode_attention"]
+    for kernel in ("decode_attention", "gemv"):
+        if ops.get(kernel):
+            found[kernel] = ops[kernel]
     return found
 
 
