@@ -42,6 +42,8 @@ SWEPT = ("llama1b", "qwen05b")  # the shapes whose tiles are swept (the 8B's are
 L2_FLUSH_BYTES = 256 << 20  # copies of the weights per graph: at least this many bytes read (the H100/H200 L2 is 50 MB)
 EPS = 1e-5
 TILES = [(bn, bk, w) for bn in (1, 2, 4, 8) for bk, w in ((512, 2), (1024, 2), (1024, 4), (2048, 4), (2048, 8))]
+# rows that no long power of two divides (the 0.5B's 896, 4864): short steps that divide them, more rows a program
+ODD_TILES = [(bn, bk, w) for bn in (4, 8, 16, 32) for bk in (128, 256) for w in (2, 4)]
 
 
 def graph_us(calls: list[Callable[[], Any]]) -> float:
@@ -168,7 +170,8 @@ def measure(shape: str, done: Callable[[dict[str, Any]], None]) -> None:
             resid = torch.randn(out.numel(), device=dev).to(bf) if res else None
             norm = (1 + 0.1 * torch.randn(k, device=dev)).to(bf) if normed else None
             best = None
-            for bn, bk, warps in TILES if shape in SWEPT else [G.config(n // 2 if glu else n, k, glu)]:
+            tiles = TILES + (ODD_TILES if k % 1024 else [])
+            for bn, bk, warps in tiles if shape in SWEPT else [G.config(n // 2 if glu else n, k, glu)]:
                 if bk > max(16, 1 << (k - 1).bit_length()):
                     continue
 

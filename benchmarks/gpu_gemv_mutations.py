@@ -22,7 +22,7 @@ def main() -> int:
         kwargs = dict(x_ptr=x, w_ptr=w, out_ptr=out, norm_ptr=norm, res_ptr=res, b_ptr=x, N=n, K=k, eps=1e-6,
                       BLOCK_N=2, BLOCK_K=1024, HAS_BIAS=False, EVEN_K=True, ROUND=True, **flags)
         try:
-            written = identify_mutated_tensors(G._gemv_kernel, kwargs, None)
+            written = identify_mutated_tensors(G._gemv_kernel, kwargs, {})
         except TypeError:  # an older signature
             written = identify_mutated_tensors(G._gemv_kernel, kwargs)
         print(flags, "written:", written, flush=True)

@@ -215,6 +215,10 @@ def test_a_batch_1_decode_program_without_its_target_or_task_is_refused():
     off = resolve_recipe("cpu-fp32", targets=("aoti",), settings=on + ("generation.decode_attention_kernel=false",),
                          task="text-generation")
     assert off.generation.decode_batch_1 and not off.generation.decode_attention_kernel
+    assert built.generation.decode_gemv_kernel  # its products as exporter::gemv, on CUDA, unless told
+    plain = resolve_recipe("cpu-fp32", targets=("aoti",), settings=on + ("generation.decode_gemv_kernel=false",),
+                           task="text-generation")
+    assert plain.generation.decode_attention_kernel and not plain.generation.decode_gemv_kernel
 
 
 def test_nothing_a_checked_file_holds_runs_unless_a_recipe_or_flag_says_so(tmp_path):

@@ -46,15 +46,18 @@ ACTIVATIONS = (torch.bfloat16, torch.float16, torch.float32)
 def config(n: int, k: int, glu: bool = False) -> tuple[int, int, int]:
     """``(BLOCK_N, BLOCK_K, num_warps)`` for ``n`` outputs of rows of ``k`` columns (``glu``: two rows an output).
 
-    From a sweep of 20 tiles at the Llama-3.2-1B shapes on an H100 (benchmarks/gpu_gemv.py;
-    docs/runs/h100-gemv.json): each choice is within 2% of its shape's best."""
-    if k >= 8192:  # a down projection: few, long rows
-        block_n, block_k, warps = 2, 1024, 4
+    From sweeps of 20 tiles at the Llama-3.2-1B shapes and 36 at the Qwen2-0.5B shapes on an H100
+    (benchmarks/gpu_gemv.py; docs/runs/h100-gemv.json, h100-gemv-qwen05b.json): each choice is within 3% of its
+    shape's best. Rows that no 1024 divides (the 0.5B's 896) take short steps that divide them, more rows a
+    program."""
+    odd = k % 1024 != 0
+    if k >= 4096:  # a down projection: few, long rows
+        block_n, block_k, warps = 2, 2048, 8
     elif glu:  # gate/up: each program reads a gate row and an up row
-        block_n, block_k, warps = 2, 1024, 2
+        block_n, block_k, warps = (4, 256, 4) if odd else (2, 1024, 2)
     elif n >= 3072:  # fused q/k/v, the vocabulary
-        block_n, block_k, warps = 4, 1024, 2
-    else:  # o
+        block_n, block_k, warps = (8, 128, 2) if odd else (4, 1024, 2)
+    else:  # o, a small q/k/v
         block_n, block_k, warps = 2, 1024, 4
     return block_n, min(block_k, max(16, 1 << (k - 1).bit_length())), warps
 
@@ -83,9 +86,10 @@ if AVAILABLE:
     def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, b_ptr, N, K, eps,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr,
                      RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, ROUND: tl.constexpr):
-        # ROUND: the activation is narrower than float32, and each step's value is rounded to it. Written out at each
-        # step, not as a helper: Inductor's analysis of which arguments a kernel writes reads no calls between
-        # kernels, and a kernel it cannot read has every argument taken as written (each weight copied back)
+        # ROUND: the activation is narrower than float32, and each step's value is rounded to it. No method is called
+        # on a scalar argument (``N.to``): Inductor's analysis of which arguments a kernel writes compiles the kernel
+        # with its ints as plain Python ints, and a kernel it cannot compile has every argument taken as written (the
+        # package then returns each weight as an output of its own)
         dtype: tl.constexpr = out_ptr.dtype.element_ty
         pid = tl.program_id(0)
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -101,6 +105,7 @@ if AVAILABLE:
             mean = (tl.sum(squares, axis=0) / K + eps).to(tl.float32)  # Inductor passes eps as a float64 scalar
             inv = 1.0 / tl.sqrt(mean)
         w_ptrs = w_ptr + safe[:, None].to(tl.int64) * K + cols[None, :]
+        u_ptrs = w_ptr + (safe + N)[:, None].to(tl.int64) * K + cols[None, :]  # GLU: the up rows
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -120,11 +125,11 @@ if AVAILABLE:
             acc += w.to(tl.float32) * h[None, :]
             if GLU:
                 if EVEN_K:
-                    u = tl.load(w_ptrs + N.to(tl.int64) * K, eviction_policy="evict_first")
+                    u = tl.load(u_ptrs, eviction_policy="evict_first")
                 else:
-                    u = tl.load(w_ptrs + N.to(tl.int64) * K, mask=inside[None, :], other=0.0,
-                                eviction_policy="evict_first")
+                    u = tl.load(u_ptrs, mask=inside[None, :], other=0.0, eviction_policy="evict_first")
                 acc_up += u.to(tl.float32) * h[None, :]
+                u_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:

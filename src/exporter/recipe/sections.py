@@ -94,8 +94,9 @@ class GenerationSection:
     # row, instead of SDPA after transformers' repeat_kv; false keeps SDPA
     decode_attention_kernel: bool = True
     # the same program, on CUDA: each product of one row, with the RMSNorm before it, silu(gate) * up after a fused
-    # gate/up product and the residual add after it, as one exporter::gemv kernel (kernels/decode_products.py)
-    decode_gemv_kernel: bool = False
+    # gate/up product and the residual add after it, as one exporter::gemv kernel (kernels/decode_products.py);
+    # false keeps Inductor's reductions
+    decode_gemv_kernel: bool = True
 
 
 QUANTIZE_SCHEMES = ("none", "fp8-rowwise", "fp8-weight-only")
