@@ -220,6 +220,8 @@ def fuse(program: torch.export.ExportedProgram) -> Fused:
             continue
         h, weight, bias, last = found
         norm = _rmsnorm(h)
+        if norm is not None and _val(norm[0]).dtype != _val(h).dtype:
+            norm = None  # the kernel's output takes the dtype of what it reads
         x, norm_weight, eps = norm if norm is not None else (h, None, 1e-6)
         glu = _glu(last)
         if glu is not None:
