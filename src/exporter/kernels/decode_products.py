@@ -59,9 +59,11 @@ def _param(node: Any, dims: int) -> bool:
     return isinstance(node, Node) and node.op == "placeholder" and value is not None and value.dim() == dims
 
 
-def _skip_casts(node: Any) -> Any:
-    """``node`` past any ``_to_copy`` that changes only the dtype."""
+def _skip_casts(node: Any, dtype: torch.dtype | None = None) -> Any:
+    """``node`` past any ``_to_copy`` that changes only the dtype (to ``dtype`` where given)."""
     while _call(node, aten._to_copy.default) and set(node.kwargs) <= {"dtype"}:
+        if dtype is not None and node.kwargs.get("dtype") != dtype:
+            break
         node = node.args[0]
     return node
 
