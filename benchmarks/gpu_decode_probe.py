@@ -13,6 +13,7 @@
         exporter::decode_attention (kernels/decode_attention.py: generation.decode_attention_kernel)
     ... --only 11,12 --no-eager: that, then the same with each product of one row, its RMSNorm, activation and
         residual add as exporter::gemv (kernels/decode_products.py)
+    ... --only 12,13,14 --no-eager: that, then with Inductor's combo_kernels, then with its aggressive_fusion
 
 (one 10-minute call builds about four variants; docs/runs/h100-bf16-decode-probe-fused.md took two.)
 Builds the Llama-3.2-1B-shaped decoder of benchmarks/gpu_generation.sh (random weights, bf16, SDPA), exports its
@@ -213,6 +214,13 @@ def main() -> None:
         # (kernels/decode_products.py: generation.decode_gemv_kernel)
         ("AOTI, fused, batch 1, coordinate descent, exporter::decode_attention + exporter::gemv", True, True,
          {"coordinate_descent_tuning": True}, "auto", True, True),
+        # that, with Inductor's independent kernels launched as one (the rotary kernels of q and k, and the cache
+        # writes of k and v, of one layer)
+        ("AOTI, fused, batch 1, coordinate descent, exporter::decode_attention + exporter::gemv, combo_kernels",
+         True, True, {"coordinate_descent_tuning": True, "combo_kernels": True}, "auto", True, True),
+        # that, with Inductor fusing kernels that share no buffer (aggressive_fusion)
+        ("AOTI, fused, batch 1, coordinate descent, exporter::decode_attention + exporter::gemv, aggressive_fusion",
+         True, True, {"coordinate_descent_tuning": True, "aggressive_fusion": True}, "auto", True, True),
     ]
     from exporter.targets.aoti import program_tensors
 

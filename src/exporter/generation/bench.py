@@ -6,7 +6,8 @@ read (the weights once, an embedding table only where a tied head reads it whole
 layer); divided by the step's time it is the achieved bandwidth, and divided by the device's measured copy
 bandwidth (``copy_bandwidth``) it is the time limit the step is held against. On CUDA the decode is also
 replayed from a CUDA graph (its inputs are fixed-address buffers: ``DecoderStep``), which removes the launch
-overhead of every kernel; a step that cannot be captured is timed without, and the reason is kept.
+overhead of every kernel; a step that cannot be captured is timed without, and the reason is kept. On CUDA the
+kernels one decode step launches are counted too (``measure/launches.py``: a step, a layer, the top by time).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import describe
+from ..measure import launches
 from ..measure.bench import Timing, repeat
 from ..targets.aoti_loader import capture
 from .driver import Steps
@@ -107,6 +109,10 @@ def time_steps(steps: Steps, prompt: Any, timing: dict[str, Any]) -> dict[str, A
 
         decode = steps.decode_for(batch)
         out["decode_program"] = "batch 1" if decode is not steps.decode else "dynamic batch"
+        where.fill_(feed.start)  # counted before any CUDA graph captures the program (measure/launches.py)
+        counted = launches.count(lambda: decode(*feed.args(token, where)), getattr(steps.layout, "layers", None))
+        if counted is not None:
+            out["kernels"] = counted
         time_decode(out, decode_all, lambda: decode(*feed.args(token, where)), lambda: steps.fresh_for(batch),
                     lambda step: step(*feed.args(token, where)), device, timing["rounds"], timing["cuda_graph"])
     out["bandwidth"] = bandwidth(out, timing["weight_bytes"] + feed.bytes, timing.get("copy_bytes_per_s"))

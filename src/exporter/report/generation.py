@@ -128,6 +128,21 @@ def _timing_cells(bench: dict[str, Any] | None, label: str) -> list[str]:
             _rate(row.get("tokens_per_s")), f"{frac:.0%}" if isinstance(frac, float) else "—"]
 
 
+def _launches(bench: dict[str, Any] | None) -> str | None:
+    """What one decode step launches on the GPU (``measure/launches.py``), at batch 1 and at the recipe's batch."""
+    said = []
+    for label in ("batch_1", "batch"):
+        counted = ((bench or {}).get(label) or {}).get("kernels")
+        if not counted:
+            continue
+        layer = f" ({counted['per_layer']:.2f} a layer)" if counted.get("per_layer") else ""
+        top = ", ".join(f"{k['name'].split('(')[0][:48]} ×{k['per_step']:g} {k['ms']:.3f} ms"
+                        for k in counted["top"][:3])
+        said.append(f"{'batch 1' if label == 'batch_1' else 'the batch'}: {counted['per_step']:g} kernels{layer}, "
+                    f"{counted['device_ms']:.3f} ms on the GPU (most: {top})")
+    return "a decode step launches, at " + "; at ".join(said) if said else None
+
+
 def render_generation(report: dict[str, Any]) -> str:
     """``report.md`` of a ``--task text-generation`` run."""
     gen = report["generation"]
@@ -205,6 +220,9 @@ def render_generation(report: dict[str, Any]) -> str:
                 f"{_times(v)} eager generate at {'batch 1' if k == 'batch_1' else 'batch ' + str(gen['batch'])}"
                 for k, v in speedups.items()))
         graph = (((row.get("bench") or {}).get("batch_1") or {}).get("decode_graph") or {})
+        launched = _launches(row.get("bench"))
+        if launched:
+            lines.append(f"- {row['name']}: {launched}")
         if graph and not graph.get("cuda_graph"):
             lines.append(f"- {row['name']}: CUDA-graph capture failed: {graph.get('error')}")
         programs = row.get("programs")
