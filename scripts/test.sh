@@ -9,11 +9,19 @@ python3 -m venv .venv
 python -m pip install -q --upgrade pip
 python -m pip install -q torch==2.13.0   # the CPU build first, so no dependency pulls a CUDA build
 python -m pip install -q -e ".[test]"
-# Triton apart from the suite's environment (the CPU torch has none): tests/quantize/test_fp8_gemv.py runs the fp8
-# kernel under Triton's interpreter in a process of its own with .triton/ on its path
-python -m pip install -q --no-deps --upgrade --target .triton triton==3.9.0
+# Made in the background while lint and the type check run on one core (they are mostly downloads):
+# - Triton apart from the suite's environment (the CPU torch has none): tests/quantize/test_fp8_gemv.py runs the
+#   fp8 kernel under Triton's interpreter in a process of its own with .triton/ on its path;
+# - Optimum's own environment, a test peer (exporter.testing.optimum_peer; its creation took about 80 s inside
+#   the first test that asked for it). Where it cannot be made, those tests skip and say why.
+python -m pip install -q --no-deps --upgrade --target .triton triton==3.9.0 &
+triton=$!
+python -c 'from exporter.testing.optimum_peer import optimum_cli; print(optimum_cli()[1] or "Optimum: ready")' &
+optimum=$!
 ruff check src tests scripts benchmarks
 mypy
+wait "$triton"
+wait "$optimum" || echo "Optimum's environment: not made (its tests will say why)"
 # two workers, one test file each at a time (a file's fixtures are built once): the tests wait on child processes
 # and compilers as much as they compute, so two share the 2-core CI machine well
 python -m pytest -n 2 --dist loadfile --durations=25 "$@"

@@ -46,7 +46,8 @@ def one_package_per_program(tmp_path_factory):
 
 @pytest.fixture(scope="session", autouse=True)
 def every_report_validates(tmp_path_factory):
-    """After the session: every report.json any test wrote validates against the shipped JSON Schema."""
+    """After the session: every report.json any test wrote (and every one ``built_once`` shared) validates against
+    the shipped JSON Schema."""
     yield
     jsonschema = pytest.importorskip("jsonschema")
     from exporter.report import report_schema
@@ -56,7 +57,8 @@ def every_report_validates(tmp_path_factory):
     validator = jsonschema.Draft202012Validator(report_schema(), format_checker=jsonschema.FormatChecker())
     generation = jsonschema.Draft202012Validator(generation_schema(), format_checker=jsonschema.FormatChecker())
     problems = []
-    for path in sorted(tmp_path_factory.getbasetemp().rglob("report.json")):
+    roots = {tmp_path_factory.getbasetemp(), shared_root(tmp_path_factory) / "shared"}  # built_once's folders too
+    for path in sorted({p for root in roots if root.is_dir() for p in root.rglob("report.json")}):
         try:
             report = json.loads(path.read_text())
         except ValueError:
@@ -284,6 +286,27 @@ def llama_generation(tiny_models, tmp_path_factory):
     out = built_once(tmp_path_factory, "llama-generation", build)
     report = json.loads((out / "report.json").read_text())
     return RunResult(out, report, report["exit_code"], list(report["problems"]))
+
+
+@pytest.fixture(scope="session")
+def converted_tiny(tiny_models, tmp_path_factory, request):
+    """``get(name)``: a tiny model of ``tiny_models`` (or ``"minilm"``, the real checkpoint) converted once for the
+    whole run (shared by the workers) with cpu-fp32, every target, and a short benchmark: the ``RunResult`` of that
+    ``exporter.convert``. Read it; a test that damages a folder copies it first."""
+    import exporter
+    from exporter.recipe import load_recipe
+    from exporter.results import RunResult
+
+    recipe = load_recipe("cpu-fp32")
+    recipe = dataclasses.replace(recipe, bench=dataclasses.replace(recipe.bench, warmup=1, rounds=2, iterations=3))
+
+    def get(name: str) -> RunResult:
+        source = request.getfixturevalue("minilm_path") if name == "minilm" else tiny_models[name]
+        out = built_once(tmp_path_factory, f"converted-{name}", lambda folder: exporter.convert(source, recipe, folder))
+        report = json.loads((out / "report.json").read_text())
+        return RunResult(out, report, report["exit_code"], list(report["problems"]))
+
+    return get
 
 
 @pytest.fixture(scope="session")

@@ -32,18 +32,10 @@ def quick(name="cpu-fp32"):
     return dataclasses.replace(recipe, bench=dataclasses.replace(recipe.bench, warmup=1, rounds=2, iterations=3))
 
 
-@pytest.fixture(scope="module")
-def converted(tiny_models, minilm_path, tmp_path_factory):
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            source = minilm_path if name == "minilm" else tiny_models[name]
-            out = tmp_path_factory.mktemp("out") / name
-            cache[name] = exporter.convert(source, quick(), out)
-        return cache[name]
-
-    return get
+@pytest.fixture
+def converted(converted_tiny):
+    """Each model converted once for the whole run (``converted_tiny`` in conftest.py), with every target."""
+    return converted_tiny
 
 
 def strings(value):

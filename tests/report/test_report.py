@@ -10,20 +10,15 @@ import json
 import jsonschema
 import pytest
 
-import exporter
 from exporter.report import SCHEMA_FILE, report_schema
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def folder(tiny_models, tmp_path_factory):
-    from exporter.recipe import apply_settings, load_recipe
-
-    recipe = apply_settings(load_recipe("cpu-fp32"), ("targets.build=exported_program,onnx", "bench.rounds=1",
-                                                      "bench.iterations=3", "bench.warmup=1"))
-    result = exporter.convert(tiny_models["vit"], recipe, tmp_path_factory.mktemp("schema") / "out")
-    return result.out
+@pytest.fixture
+def folder(converted_tiny):
+    """The tiny ViT converted once for the whole run, every target (``converted_tiny`` in conftest.py)."""
+    return converted_tiny("vit").out
 
 
 @pytest.fixture
@@ -67,7 +62,7 @@ def test_the_chart_is_an_image_of_the_timed_variants_linked_from_the_markdown(fo
 
     assert report["chart"] == "report.png"
     rows = timed_rows(report)
-    assert [name for name, _ in rows] == ["eager (baseline)", "rewritten", "exported_program", "onnx"]
+    assert [name for name, _ in rows] == ["eager (baseline)", "rewritten", "exported_program", "aoti", "onnx"]
     with Image.open(folder / "report.png") as image:
         image.verify()  # a whole, valid PNG
     with Image.open(folder / "report.png") as image:

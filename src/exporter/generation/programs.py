@@ -65,13 +65,14 @@ def export_steps(step: DecoderStep, layout: CacheLayout, batch: int, prompt: int
                  one: bool = False, attention_kernel: bool = False, gemv_kernel: bool = False) -> DecoderPrograms:
     """Both programs, decomposed to core ATen with SDPA kept. Named dims first; on a guard torch cannot prove
     over the range (seen on CUDA) the same ranges as ``Dim.DYNAMIC`` hints, noted. ``fuse``: the linears that
-    read one tensor (q, k, v; gate, up) exported as one product each (``generation.fused_projections``). ``past``:
-    also both programs as ``PastStep`` (the cache in and out), for ONNX; a failure there is
-    recorded (``past_error``) and leaves the other programs be. ``one``: also the decode program of batch 1,
-    every shape static (``decode_one``); with ``attention_kernel`` its attention calls on CUDA run
-    ``exporter::decode_attention`` (``kernels/decode_attention.py``), the calls it does not take SDPA as before; with
-    ``gemv_kernel`` its products of one row on CUDA, with the RMSNorm before and the activation or residual add after
-    each, run ``exporter::gemv`` (``kernels/decode_products.py``)."""
+    read one tensor (q, k, v; gate, up) exported as one product each (``generation.fused_projections``).
+    ``past``: also both programs as ``PastStep`` (the cache in and out), for ONNX, left as exported (the ONNX
+    exporter decomposes them with its own table); a failure there is recorded (``past_error``) and leaves the
+    other programs be. ``one``: also the decode program of batch 1, every shape static (``decode_one``); with
+    ``attention_kernel`` its attention calls on CUDA run ``exporter::decode_attention``
+    (``kernels/decode_attention.py``), the calls it does not take SDPA as before; with ``gemv_kernel`` its
+    products of one row on CUDA, with the RMSNorm before and the activation or residual add after each, run
+    ``exporter::gemv`` (``kernels/decode_products.py``)."""
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
         groups = []
@@ -94,7 +95,7 @@ def export_steps(step: DecoderStep, layout: CacheLayout, batch: int, prompt: int
                                       "(generation.decode_attention_kernel)")
         if past:
             try:
-                both = _export_both(PastStep(step), layout, batch, prompt, cache_length, dtype, device)
+                both = _export_both(PastStep(step), layout, batch, prompt, cache_length, dtype, device, for_onnx=True)
                 exported.past = (both.prefill, both.decode)
             except Exception as exc:  # the ONNX target fails with it; the others are built
                 exported.past_error = describe(exc)
@@ -133,15 +134,19 @@ def dims(named: bool) -> Callable[[str, int, int], Any]:
 
 
 def export_pair(steps: tuple[nn.Module, nn.Module], args: tuple[tuple, tuple], shapes: Callable[[Any], tuple],
-                table: dict, notes: list[str], what: str) -> tuple[Any, Any]:
+                table: dict | None, notes: list[str], what: str) -> tuple[Any, Any]:
     """The prefill and decode ``steps`` exported with their ``args`` and ``shapes(dims(named))``, lowered with
-    ``table``: named dims first; on a guard torch cannot prove over the named dims' ranges (seen on CUDA) the same
-    ranges as ``Dim.DYNAMIC`` hints, noted (``what``: the dims beyond the batch)."""
+    ``table`` (None: left as exported, for the ONNX exporter, which decomposes a program with its own table: a
+    decomposition before it would be a second re-trace); named dims first; on a guard torch cannot prove over the
+    named dims' ranges (seen on CUDA) the same ranges as ``Dim.DYNAMIC`` hints, noted (``what``: the dims beyond
+    the batch)."""
     def export(named: bool) -> tuple[Any, Any]:
         dynamic = shapes(dims(named))
         prefill, decode = (torch.export.export(step, example, dynamic_shapes=shape, strict=False)
-                           .run_decompositions(table) for step, example, shape in zip(steps, args, dynamic))
-        return prefill, decode
+                           for step, example, shape in zip(steps, args, dynamic))
+        if table is None:
+            return prefill, decode
+        return prefill.run_decompositions(table), decode.run_decompositions(table)
 
     try:
         return export(True)
@@ -154,7 +159,8 @@ def export_pair(steps: tuple[nn.Module, nn.Module], args: tuple[tuple, tuple], s
 
 
 def _export_both(step: nn.Module, layout: CacheLayout, batch: int, prompt: int, cache_length: int,
-                 dtype: torch.dtype, device: str) -> DecoderPrograms:
+                 dtype: torch.dtype, device: str, for_onnx: bool = False) -> DecoderPrograms:
+    """The prefill and decode programs of ``step``; ``for_onnx``: left as exported (``export_pair``)."""
     notes: list[str] = []
 
     def shapes(make):
@@ -163,10 +169,10 @@ def _export_both(step: nn.Module, layout: CacheLayout, batch: int, prompt: int, 
         kv = [{0: b} for _ in range(2 * layout.layers)]
         return ({0: b, 1: p}, {0: b}, {0: p}, kv), ({0: b}, {0: b}, None, kv)
 
-    table = decompositions(layout)
+    table = None if for_onnx else decompositions(layout)
     prefill, decode = export_pair((step, step), _examples(layout, batch, prompt, cache_length, dtype, device), shapes,
                                   table, notes, "prompt")
-    if not table:
+    if table == {}:
         notes.append("kept in ATen as exported, not decomposed to core ATen: the model takes the 2-D padding mask, "
                      "and decomposing its programs re-traces them with a batch guard (batch > 1) that a batch of "
                      "one row then fails")

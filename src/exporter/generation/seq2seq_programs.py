@@ -115,9 +115,10 @@ def export_seq2seq(model: torch.nn.Module, layout: Seq2SeqLayout, batch: int, so
         return (source, mask, row, None, own if drop_cross else kv), (mask, row, None, kv)
 
     def pair(first, second, drop_cross: bool = False):
+        """``drop_cross``: the programs ONNX runs (the cache in and out), left as exported (``export_pair``)."""
         first_args = (*prefill_args[:4], prefill_args[4][:2 * layout.layers]) if drop_cross else prefill_args
         return export_pair((first, second), (first_args, decode_args), lambda make: shapes(make, drop_cross),
-                           decomposition_table(), notes, "source")
+                           None if drop_cross else decomposition_table(), notes, "source")
 
     prefill, decode = pair(Seq2SeqPrefill(model), Seq2SeqDecode(model))
     past_pair = None
