@@ -9,11 +9,11 @@ python3 -m venv .venv
 python -m pip install -q --upgrade pip
 python -m pip install -q torch==2.13.0   # the CPU build first, so no dependency pulls a CUDA build
 python -m pip install -q -e ".[test]"
-# Made in the background while lint and the type check run on one core (they are mostly downloads):
+# Made in the background on the second core while lint and the type check (about 50 s, one core) run:
 # - Triton apart from the suite's environment (the CPU torch has none): tests/quantize/test_fp8_gemv.py runs the
 #   fp8 kernel under Triton's interpreter in a process of its own with .triton/ on its path;
-# - Optimum's own environment, a test peer (exporter.testing.optimum_peer; its creation took about 80 s inside
-#   the first test that asked for it). Where it cannot be made, those tests skip and say why.
+# - Optimum's own environment, a test peer (exporter.testing.optimum_peer; about 50 s to make, which the first
+#   test that asked for it used to spend). Where it cannot be made, those tests skip and say why.
 python -m pip install -q --no-deps --upgrade --target .triton triton==3.9.0 &
 triton=$!
 python -c 'from exporter.testing.optimum_peer import optimum_cli; print(optimum_cli()[1] or "Optimum: ready")' &
