@@ -108,20 +108,16 @@ def minilm_path() -> Path:
     return Path(package.get_model_path())
 
 
-@pytest.fixture
-def quick_recipe():
-    """cpu-fp32 with a short benchmark, for tests that run the whole pipeline."""
+def short_bench(name: str = "cpu-fp32", **targets):
+    """The recipe ``name`` with a short benchmark (and ``targets`` fields replaced), for tests that run the whole
+    pipeline."""
     from exporter.recipe import load_recipe
 
-    def make(name: str = "cpu-fp32", **targets):
-        recipe = load_recipe(name)
-        bench = dataclasses.replace(recipe.bench, warmup=1, rounds=2, iterations=3)
-        recipe = dataclasses.replace(recipe, bench=bench)
-        if targets:
-            recipe = dataclasses.replace(recipe, targets=dataclasses.replace(recipe.targets, **targets))
-        return recipe
-
-    return make
+    recipe = load_recipe(name)
+    recipe = dataclasses.replace(recipe, bench=dataclasses.replace(recipe.bench, warmup=1, rounds=2, iterations=3))
+    if targets:
+        recipe = dataclasses.replace(recipe, targets=dataclasses.replace(recipe.targets, **targets))
+    return recipe
 
 
 FACTORY_SOURCE = '''
@@ -272,20 +268,27 @@ def built_once(tmp_path_factory, name: str, build):
     return folder
 
 
+def converted_once(tmp_path_factory, name: str, convert):
+    """``convert(folder)`` (an ``exporter.convert``) run once for the whole session (:func:`built_once`): the
+    ``RunResult`` of the folder it published, read back from its report."""
+    from exporter.results import RunResult
+
+    out = built_once(tmp_path_factory, name, convert)
+    report = json.loads((out / "report.json").read_text())
+    return RunResult(out, report, report["exit_code"], list(report["problems"]))
+
+
 @pytest.fixture(scope="session")
 def llama_generation(tiny_models, tmp_path_factory):
     """A tiny Llama converted with --task text-generation and every generation target (once per test run, shared
     by the workers): the folder and report of that ``exporter.convert``."""
     import exporter
-    from exporter.results import RunResult
 
     def build(out: Path) -> None:
         exporter.convert(tiny_models["llama"], "cpu-fp32", out, task="text-generation",
                          targets=("exported_program", "aoti", "onnx"))
 
-    out = built_once(tmp_path_factory, "llama-generation", build)
-    report = json.loads((out / "report.json").read_text())
-    return RunResult(out, report, report["exit_code"], list(report["problems"]))
+    return converted_once(tmp_path_factory, "llama-generation", build)
 
 
 @pytest.fixture(scope="session")
@@ -294,17 +297,13 @@ def converted_tiny(tiny_models, tmp_path_factory, request):
     whole run (shared by the workers) with cpu-fp32, every target, and a short benchmark: the ``RunResult`` of that
     ``exporter.convert``. Read it; a test that damages a folder copies it first."""
     import exporter
-    from exporter.recipe import load_recipe
-    from exporter.results import RunResult
 
-    recipe = load_recipe("cpu-fp32")
-    recipe = dataclasses.replace(recipe, bench=dataclasses.replace(recipe.bench, warmup=1, rounds=2, iterations=3))
+    recipe = short_bench()
 
-    def get(name: str) -> RunResult:
+    def get(name: str):
         source = request.getfixturevalue("minilm_path") if name == "minilm" else tiny_models[name]
-        out = built_once(tmp_path_factory, f"converted-{name}", lambda folder: exporter.convert(source, recipe, folder))
-        report = json.loads((out / "report.json").read_text())
-        return RunResult(out, report, report["exit_code"], list(report["problems"]))
+        return converted_once(tmp_path_factory, f"converted-{name}",
+                              lambda folder: exporter.convert(source, recipe, folder))
 
     return get
 
