@@ -310,12 +310,10 @@ def converted_tiny(tiny_models, tmp_path_factory, request):
 
 @pytest.fixture(scope="session")
 def generate_cli():
-    """``exporter generate`` in a fresh process."""
-    import subprocess
-    import sys
+    """``exporter generate`` in a process of its own."""
+    from exporter.testing.cli import run_cli
 
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "exporter", "generate", *args], capture_output=True, text=True,
-                              timeout=600)
+        return run_cli(["generate", *args], timeout=600)
 
     return run

@@ -11,11 +11,11 @@ import pytest
 from click.testing import CliRunner
 
 from exporter.cli import cli
+from exporter.testing.cli import run_cli as exporter_cli
 
 
 def run_cli(*args, env=None, cwd=None):
-    return subprocess.run([sys.executable, "-m", "exporter", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, cwd=cwd, timeout=600)
+    return exporter_cli(list(args), cwd, {**os.environ, **(env or {})}, timeout=600)
 
 
 def test_recipes_list_and_show():

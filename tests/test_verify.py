@@ -18,6 +18,7 @@ import exporter
 from exporter.errors import UsageError
 from exporter.published.verification import EXIT_INTEGRITY, verify
 from exporter.recipe import load_recipe
+from exporter.testing.cli import run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -96,8 +97,7 @@ def test_flipped_bytes_in_the_onnx_model_fail_the_gate(folder, tmp_path):
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
     junit = tmp_path / "verify.xml"
-    run = subprocess.run([sys.executable, "-m", "exporter", "verify", str(folder), "--junit", str(junit)],
-                         capture_output=True, text=True, timeout=600, env={**os.environ})
+    run = run_cli(["verify", folder, "--junit", junit])
     assert run.returncode == EXIT_INTEGRITY, run.stderr
     errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "model.onnx" in errors[0] and "SHA-256" in errors[0] and "Fix:" in errors[0]
@@ -114,8 +114,7 @@ def test_verify_json_is_versioned_and_matches_its_schema(folder):
     jsonschema = pytest.importorskip("jsonschema")
     from exporter.report import command_schema
 
-    run = subprocess.run([sys.executable, "-m", "exporter", "verify", str(folder), "--json"], capture_output=True,
-                         text=True, timeout=600)
+    run = run_cli(["verify", folder, "--json"])
     assert run.returncode == 0, run.stderr
     data = json.loads(run.stdout)
     jsonschema.validate(data, command_schema("verify"))
@@ -175,9 +174,7 @@ def test_a_resigned_artifact_that_no_longer_loads(folder):
 def test_usage_errors(tmp_path, folder):
     with pytest.raises(UsageError, match="does not exist"):
         verify(tmp_path / "nope")
-    run = subprocess.run([sys.executable, "-m", "exporter", "verify", str(folder), "--junit", str(folder / "model.onnx"
-                                                                                                 / "x.xml")],
-                         capture_output=True, text=True, timeout=120)
+    run = run_cli(["verify", folder, "--junit", folder / "model.onnx" / "x.xml"], timeout=120)
     assert run.returncode == 5 and "JUnit" in run.stderr
 
 

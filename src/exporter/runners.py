@@ -26,11 +26,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Union
 
 import torch
 
-from . import interrupts
+from . import forkserver, interrupts
 from .child import CHUNK_ELEMENTS, WARM_ENV, Channel, Session, chunks
 from .dtypes import name_of
 from .errors import RunnerFailed, failure_reason, shorten
@@ -41,6 +41,7 @@ from .targets.spec import Loaded, RunnerSpec
 from .targets.toolchain import aoti_preload
 
 DEFAULT_TIMEOUT_S = 3600.0
+Process = Union[subprocess.Popen, forkserver.Forked]  # a child started cold, or forked from the warm server
 SESSION_TIMEOUT_S = 3600.0
 
 
@@ -140,7 +141,7 @@ def child_env(preload: str | None = None) -> dict[str, str]:
 
 
 SCRATCH_PREFIX = "exporter-child-"  # + the parent's pid: each child's own temporary folder
-_scratch: dict[int, str] = {}  # child pid -> its temporary folder, removed once the child has ended
+_scratch: dict[int, str] = {}  # id of a child's process -> its temporary folder, removed once it has ended
 _swept = False
 
 
@@ -198,36 +199,34 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def start_child(env: dict[str, str], log: Path | None) -> tuple[subprocess.Popen, Channel]:
+def start_child(env: dict[str, str], log: Path | None) -> tuple[Process, Channel]:
     """``python -m exporter.child FD`` in its own session (and temporary folder: :func:`with_scratch`), its output
-    appended to ``log``; it imports torch and waits for ``sys.path`` and a spec on the returned channel."""
+    appended to ``log``: forked from the warm server (:mod:`exporter.forkserver`) where it can be, else started
+    cold, when it imports torch; either way it waits for ``sys.path`` and a spec on the returned channel."""
     env, folder = with_scratch(env)
     parent_sock, child_sock = socket.socketpair()
-    out: Any = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - closed below, once the child has it
+    out = os.open(log if log else os.devnull, os.O_WRONLY | os.O_APPEND | (os.O_CREAT if log else 0), 0o644)
     try:
-        process = subprocess.Popen(
-            [*CHILD_PYTHON, "-m", "exporter.child", str(child_sock.fileno())],
-            pass_fds=(child_sock.fileno(),), env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-            start_new_session=True)
+        process = forkserver.start("exporter.child", ["{0}"], env, out, (child_sock.fileno(),), CHILD_PYTHON)
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
     finally:
         child_sock.close()
-        if log:
-            out.close()
-    _scratch[process.pid] = folder
+        os.close(out)
+    _scratch[id(process)] = folder
     return process, Channel(parent_sock.detach())
 
 
-def kill_child(process: subprocess.Popen) -> None:
+def kill_child(process: Process) -> None:
     """Stop a child and whatever it started (compile workers share its session); remove its temporary folder."""
     if process.poll() is None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
+            if process.pid > 0:
+                os.killpg(process.pid, signal.SIGKILL)
         process.kill()
         process.wait(5)
-    folder = _scratch.pop(process.pid, None)
+    folder = _scratch.pop(id(process), None)
     if folder is not None:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -235,9 +234,9 @@ def kill_child(process: subprocess.Popen) -> None:
 class Spares:
     """Child interpreters started before they are needed.
 
-    Starting a child costs seconds of importing torch (and, for a GPU recipe, starting CUDA), which the parent
-    used to wait for after each target was built. A spare does that while the parent loads the checkpoint,
-    exports and builds; a built target's :class:`RemoteRunner` takes one and only has to load the artifact.
+    A child started cold spends seconds importing torch (and starting CUDA for a GPU recipe; a forked one waits for
+    its server's imports once), which the parent used to wait for after each target was built. A spare does that
+    while the parent loads, exports and builds; a built target's :class:`RemoteRunner` takes one and loads.
     At most ``keep`` wait at a time (by default one fewer than the CPUs, so that on a small machine their
     imports do not slow the parent), and one taken is replaced while ``expected`` says more will be needed.
     A child that needs its own environment (``LD_PRELOAD``) cannot be a spare: a process's environment is
@@ -252,7 +251,7 @@ class Spares:
         self.env = child_env()
         if device.startswith("cuda"):
             self.env[WARM_ENV] = device
-        self.waiting: list[tuple[subprocess.Popen, Channel, Path | None]] = []
+        self.waiting: list[tuple[Process, Channel, Path | None]] = []
         self.started = 0
         self._fill()
 
@@ -263,7 +262,7 @@ class Spares:
             process, conn = start_child(self.env, log)
             self.waiting.append((process, conn, log))
 
-    def take(self, log: Path | None) -> tuple[subprocess.Popen, Channel, Path | None] | None:
+    def take(self, log: Path | None) -> tuple[Process, Channel, Path | None] | None:
         """A waiting child, its output file renamed to ``log`` (the open file follows), or None if none waits."""
         while self.waiting:
             process, conn, own_log = self.waiting.pop(0)
@@ -279,7 +278,7 @@ class Spares:
         return None
 
     @staticmethod
-    def _discard(process: subprocess.Popen, conn: Channel, log: Path | None) -> None:
+    def _discard(process: Process, conn: Channel, log: Path | None) -> None:
         kill_child(process)
         conn.close()
         if log is not None and log.exists() and not log.stat().st_size:
@@ -311,7 +310,7 @@ class RemoteRunner:
         self.timeout_s = timeout_s
         self.info: dict[str, Any] = {}
         self.host = host
-        self.process: subprocess.Popen
+        self.process: Process
         self.conn: Channel
         self.log: Path | None
         self.loads: list[RemoteRunner]
@@ -479,8 +478,13 @@ def run_session(folder: Path, target: str, log: Path, time_it: bool, steps: int 
     request.write_text(json.dumps({"folder": str(folder), "target": target, "time": time_it, "steps": steps}))
     try:
         with open(log, "ab") as out, scratch_env(child_env(preload)) as env:
-            process = subprocess.run([*CHILD_PYTHON, "-m", "exporter.generation.session", str(request), str(answer)],
-                                     env=env, stdout=out, stderr=out, timeout=timeout_s, check=False)
+            process = forkserver.start("exporter.generation.session", [str(request), str(answer)], env,
+                                       out.fileno(), (), CHILD_PYTHON)
+            try:
+                process.wait(timeout_s)
+            finally:  # a timeout, or a signal to this process
+                if process.poll() is None:
+                    kill_child(process)
         if not answer.is_file():
             ended = _describe_exit(process.returncode)
             return {"target": target, "error": f"the session process {ended} without a result (see {log.name})"}

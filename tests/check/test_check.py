@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import torch
 
 from exporter.check.artifacts import describe_pt2, find_artifacts, spec_modules
 from exporter.check.locating import scope_values
+from exporter.testing.cli import run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -28,8 +28,7 @@ QUICK = ["--set", "bench.warmup=0", "--set", "bench.rounds=1", "--set", "bench.i
 
 
 def run_check(*args, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "exporter", "check", *map(str, args), "-q", *QUICK],
-                          capture_output=True, text=True, cwd=cwd, check=False)
+    return run_cli(["check", *args, "-q", *QUICK], cwd)
 
 
 def errors(done: subprocess.CompletedProcess) -> list[str]:
@@ -68,8 +67,7 @@ def test_optimum_encoder_and_vision_exports_pass_and_verify_later(optimum, tiny_
         assert entry["path"] in {f["path"] for f in manifest["files"]}
         cases = ET.parse(tmp_path / "j.xml").getroot().iter("testcase")
         assert {c.get("name") for c in cases} == {"loads", "numerics", "shape grid", "weights", "program", "rounding"}
-        verified = subprocess.run([sys.executable, "-m", "exporter", "verify", str(out)], capture_output=True,
-                                  text=True, check=False)
+        verified = run_cli(["verify", out])
         assert verified.returncode == 0, verified.stderr[-2000:]
 
 
@@ -131,8 +129,7 @@ def test_a_decoder_with_past_passes_step_by_step_and_a_cache_one_position_off_fa
     report = json.loads((tmp_path / "good" / "report.json").read_text())
     assert report["inputs"]["names"] == ["input_ids", "attention_mask", "next_ids"]
     assert report["outputs"][0] == "prefill.logits" and "decode.present.1.value" in report["outputs"]
-    verified = subprocess.run([sys.executable, "-m", "exporter", "verify", str(tmp_path / "good")],
-                              capture_output=True, text=True, check=False)
+    verified = run_cli(["verify", tmp_path / "good"])
     assert verified.returncode == 0, verified.stderr[-2000:]
     bad = tmp_path / "bad"
     shutil.copytree(optimum["gpt2"], bad)
@@ -252,8 +249,8 @@ def test_an_aoti_package_made_elsewhere_passes(tiny_models, tmp_path):
     assert refused.returncode == 2 and "--allow-native-code" in refused.stderr, refused.stderr[-3000:]
     done = run_check(package, "--against", tiny_models["bert"], "--out", tmp_path / "out", "--allow-native-code")
     assert done.returncode == 0, done.stderr[-3000:]
-    verify = [sys.executable, "-m", "exporter", "verify", str(tmp_path / "out")]
-    verified = subprocess.run([*verify, "--allow-native-code"], capture_output=True, text=True, check=False)
+    verify = ["verify", str(tmp_path / "out")]
+    verified = run_cli([*verify, "--allow-native-code"])
     assert verified.returncode == 0, verified.stderr[-2000:]
     # verify runs another tool's package only with the same opt-in; a package swapped in never runs without it
     unasked = subprocess.run(verify, capture_output=True, text=True, check=False)
@@ -328,9 +325,7 @@ def test_an_earlier_exporter_folder_is_judged_again_artifact_by_artifact(tiny_mo
     recipe = tmp_path / "quick.toml"
     recipe.write_text('schema_version = 1\n[targets]\nbuild = ["exported_program", "onnx"]\n'
                       '[bench]\nwarmup = 0\nrounds = 1\niterations = 1\n')
-    converted = subprocess.run([sys.executable, "-m", "exporter", "convert", str(tiny_models["bert"]), "--recipe",
-                                str(recipe), "--out", str(tmp_path / "run"), "-q"], capture_output=True, text=True,
-                               check=False)
+    converted = run_cli(["convert", tiny_models["bert"], "--recipe", recipe, "--out", tmp_path / "run", "-q"])
     assert converted.returncode == 0, converted.stderr[-2000:]
     artifacts = find_artifacts(tmp_path / "run")
     assert {(a.name, a.made_by) for a in artifacts} == {("exported_program", "exporter"), ("onnx", "exporter")}

@@ -6,12 +6,11 @@ the clean artifacts pass every proof."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from exporter.testing.cli import run_cli
 from exporter.testing.defects import EXPECT, export, export_onnx, planted_in_convert
 from exporter.testing.trained import trained_lm
 
@@ -22,8 +21,7 @@ def trained():
 
 
 def check(program, checkpoint, out) -> tuple[int, dict, str]:
-    done = subprocess.run([sys.executable, "-m", "exporter", "check", str(program), "--against", str(checkpoint),
-                           "--out", str(out), "--dim", "sequence=64"], capture_output=True, text=True)
+    done = run_cli(["check", program, "--against", checkpoint, "--out", out, "--dim", "sequence=64"])
     entry = json.loads((out / "report.json").read_text())["artifacts"][0] if (out / "report.json").is_file() else {}
     return done.returncode, entry, done.stderr
 
@@ -117,15 +115,13 @@ def test_verify_with_the_checkpoint_asks_the_proofs_again_and_refuses_another_ch
     result = exporter.convert(trained, "cpu-fp32", tmp_path / "run", dims=("sequence=64",),
                               targets=("exported_program", "onnx"))
     assert result.exit_code == 0, result.report["problems"]
-    done = subprocess.run([sys.executable, "-m", "exporter", "verify", str(tmp_path / "run"), "--checkpoint",
-                           str(trained), "--json"], capture_output=True, text=True)
+    done = run_cli(["verify", tmp_path / "run", "--checkpoint", trained, "--json"])
     assert done.returncode == 0, done.stderr[-2000:]
     checks = {(c["subject"], c["check"]): c for c in json.loads(done.stdout)["checks"]}
     for name in ("exported_program", "onnx"):
         assert checks[(name, "weights")]["status"] == "passed", checks[(name, "weights")]
         assert checks[(name, "program")]["status"] == "passed", checks[(name, "program")]
-    stale = subprocess.run([sys.executable, "-m", "exporter", "verify", str(tmp_path / "run"), "--checkpoint",
-                            str(trained / "earlier")], capture_output=True, text=True)
+    stale = run_cli(["verify", tmp_path / "run", "--checkpoint", trained / "earlier"])
     assert stale.returncode == 6
     assert "model.safetensors differs from the checkpoint the folder was made from" in stale.stderr
 

@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from exporter.testing.cli import run_cli
 from exporter.testing.payloads import native_package, pickle_program, rehash, spec_module_program
 
 QUICK = ["--set", "bench.warmup=0", "--set", "bench.rounds=1", "--set", "bench.iterations=2"]
 
 
 def exporter(*args, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "exporter", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, check=False, timeout=900)
+    return run_cli(list(args), cwd, timeout=900)
 
 
 def check(*args, cwd=None) -> subprocess.CompletedProcess:

@@ -11,14 +11,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import exporter
 from exporter.recipe import load_recipe
+from exporter.testing.cli import run_cli
 from exporter.testing.defects import planted_sdpa
 
 pytestmark = pytest.mark.slow
@@ -92,9 +91,8 @@ def test_dropped_padding_mask(dropped_mask_run):
 def test_validate_locate_on_the_folder_in_a_fresh_process(dropped_mask_run):
     """A new process has no planted defect: the eager replay finds nothing, the artifact's own program does."""
     out = dropped_mask_run.out
-    run = subprocess.run([sys.executable, "-m", "exporter", "validate", str(out), "--locate", "--target",
-                          "exported_program", "--json", "--quiet"], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    run = run_cli(["validate", out, "--locate", "--target", "exported_program", "--json", "--quiet"],
+                  env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert run.returncode == 3, run.stderr
     data = json.loads(run.stdout)
     jsonschema = pytest.importorskip("jsonschema")

@@ -11,6 +11,7 @@ from typing import Any, Callable
 import psutil
 import torch
 
+from .. import forkserver
 from ..errors import shorten
 from ..outdir import public_command
 
@@ -131,6 +132,8 @@ def _command(proc: psutil.Process) -> str:
     except psutil.Error:
         return "?"
     text = " ".join(words)
+    if "exporter.forkserver" in text:  # the server, or a child forked from it (which keeps its command line)
+        return "exporter fork server" if proc.pid in forkserver.server_pids() else "exporter.child"
     if "exporter.child" in text:
         return "exporter.child"
     if "compile_worker" in text or "subproc_pool" in text:

@@ -11,13 +11,14 @@ import os
 import shutil
 import struct
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
+
+from .cli import run_cli
 
 QUICK_RECIPE = """schema_version = 1
 description = "one cheap target, a short benchmark"
@@ -91,9 +92,7 @@ def make_assets(root: Path) -> Assets:
 
 
 def run(case_: Case, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, **case_.env}
-    return subprocess.run([sys.executable, "-m", "exporter", *case_.argv], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=timeout)
+    return run_cli(case_.argv, cwd, {**os.environ, **case_.env}, timeout)
 
 
 def error_line(stderr: str) -> str:
