@@ -253,7 +253,7 @@ def test_an_aoti_package_made_elsewhere_passes(tiny_models, tmp_path):
     verified = run_cli([*verify, "--allow-native-code"])
     assert verified.returncode == 0, verified.stderr[-2000:]
     # verify runs another tool's package only with the same opt-in; a package swapped in never runs without it
-    unasked = subprocess.run(verify, capture_output=True, text=True, check=False)
+    unasked = run_cli(verify)
     assert unasked.returncode == 2 and "another tool compiled" in unasked.stderr, unasked.stderr[-2000:]
     from exporter.testing.payloads import native_package, rehash
 
@@ -261,7 +261,7 @@ def test_an_aoti_package_made_elsewhere_passes(tiny_models, tmp_path):
     marker = tmp_path / "ran"
     native_package(tmp_path / "out" / report["artifacts"][0]["path"], marker, wrapper_from=Path(package))
     rehash(tmp_path / "out")
-    swapped = subprocess.run(verify, capture_output=True, text=True, check=False)
+    swapped = run_cli(verify)
     assert swapped.returncode == 2 and not marker.exists(), swapped.stderr[-2000:]
 
 

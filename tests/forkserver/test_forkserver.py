@@ -97,3 +97,12 @@ def test_without_safe_path_the_folder_a_forked_command_starts_in_comes_first_on_
     assert isinstance(process, forkserver.Forked) and process.wait(60) == 0
     facts = json.loads((tmp_path / "c.json").read_text())
     assert facts["path"][0] == str(tmp_path) and facts["ppid"] in forkserver.server_pids()
+
+
+def test_a_child_killed_as_soon_as_it_was_asked_for_ends(tmp_path):
+    """kill() before its pid was read (the request sent, the server forking): the kill waits for the pid and lands."""
+    warm, _, _ = probe(tmp_path, "0", name="warm")
+    assert warm.wait(60) == 0  # the server is up: the next request is sent at once
+    process, answer, _ = probe(tmp_path, "sleep", name="d")
+    process.kill()
+    assert process.wait(10) == -signal.SIGKILL

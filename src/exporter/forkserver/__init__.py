@@ -270,9 +270,9 @@ class Forked:
         elif self._status is None and not self._orphan:  # still waiting for the server: it never ran
             self._release()
             self.returncode = -signum
-        elif self._pid is not None:
+        elif self.pid > 0 and self.returncode is None:  # sent: its pid is on its way, if not read yet
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(self._pid, signum)
+                os.kill(self.pid, signum)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
