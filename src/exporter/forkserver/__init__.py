@@ -63,12 +63,13 @@ class _Server:
         self.ready: bool | None = None  # None: still importing
         self.children: weakref.WeakSet[Forked] = weakref.WeakSet()
 
-    def check(self, block: bool = False) -> bool | None:
-        """True once it can fork, False if it cannot (or has ended), None while it is still importing."""
+    def check(self, wait: float | None = 0) -> bool | None:
+        """True once it can fork, False if it cannot (or has ended), None while it is still importing (after
+        waiting up to ``wait`` seconds for its answer; None: until it answers)."""
         if self.control.fileno() < 0:
             self.ready = False
         if self.ready is None:
-            if block or select.select([self.control], [], [], 0)[0]:
+            if select.select([self.control], [], [], wait)[0]:
                 try:
                     answer = json.loads(self.control.recv(4096) or b'{"ready": false}')
                 except (OSError, ValueError):
@@ -173,10 +174,10 @@ class Forked:
         self._advance()
 
     # ---------------------------------------------------------------- the request's way to a running child
-    def _advance(self, block: bool = False) -> None:
+    def _advance(self, wait: float | None = 0) -> None:
         if self._fds == [] or self.returncode is not None:
             return  # sent, started cold, or never to run
-        ready = self._server.check(block)
+        ready = self._server.check(wait)
         if ready is None:
             return
         if ready:
@@ -234,7 +235,7 @@ class Forked:
             elif timeout:
                 time.sleep(min(timeout, 0.1))
         elif self._status is None:
-            self._advance(block=bool(timeout))
+            self._advance(timeout)
         else:
             self._read(timeout)
 
@@ -295,14 +296,15 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _args(args: list[str], fds: tuple[int, ...]) -> list[str]:
+def fd_args(args: list[str], fds: tuple[int, ...] | list[int]) -> list[str]:
+    """``args`` with each ``{N}`` replaced by the number of the N-th descriptor handed over, as the child has it."""
     return [str(fds[int(a[1:-1])]) if a.startswith("{") and a.endswith("}") and a[1:-1].isdigit() else a
             for a in args]
 
 
 def _cold(module: str, args: list[str], env: dict[str, str], cwd: str, out: int, err: int,
           pass_fds: tuple[int, ...], python: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([*python, "-m", module, *_args(args, pass_fds)], pass_fds=pass_fds, env=env, cwd=cwd,
+    return subprocess.Popen([*python, "-m", module, *fd_args(args, pass_fds)], pass_fds=pass_fds, env=env, cwd=cwd,
                             stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True)
 
 

@@ -79,8 +79,7 @@ def become_child(request: dict, fds: list[int], keep_closed: list[int]) -> None:
         if not sys.flags.safe_path and sys.path:  # `python -m` puts the folder it starts in first (-P: nothing)
             sys.path[0] = os.getcwd()
         tempfile.tempdir = None  # read TMPDIR again: each child has a temporary folder of its own
-        sys.argv = [request["module"], *(str(passed[int(a[1:-1])]) if a[:1] == "{" and a[-1:] == "}" else a
-                                         for a in request["args"])]
+        sys.argv = [request["module"], *importlib.import_module("exporter.forkserver").fd_args(request["args"], passed)]
         code = 0
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
     except SystemExit as exc:
