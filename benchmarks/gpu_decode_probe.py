@@ -14,6 +14,9 @@
     ... --only 11,12 --no-eager: that, then the same with each product of one row, its RMSNorm, activation and
         residual add as exporter::gemv (kernels/decode_products.py)
     ... --only 12,13,14 --no-eager: that, then with Inductor's combo_kernels, then with its aggressive_fusion
+    ... --only 13,15,16 --no-eager: variant 13, then the same with each layer's rotary embedding and cache write in
+        its attention kernel (kernels/decode_step_attention.py: generation.decode_step_kernel), then that with the
+        attention's slices merged by a kernel of their own
 
 (one 10-minute call builds about four variants; docs/runs/h100-bf16-decode-probe-fused.md took two.)
 Builds the Llama-3.2-1B-shaped decoder of benchmarks/gpu_generation.sh (random weights, bf16, SDPA), exports its
@@ -162,7 +165,8 @@ def main() -> None:
         rows.append(eager)
         print(json.dumps(eager)[:400], flush=True)
 
-    def export(static_batch: bool, fuse: bool, backend: str, kernel: bool = False, attention: bool = False):
+    def export(static_batch: bool, fuse: bool, backend: str, kernel: bool = False, attention: bool = False,
+               folded: bool | str = False):
         import contextlib
 
         from torch import nn
@@ -180,17 +184,21 @@ def main() -> None:
             if fuse:  # as generation.fuse_projections does: q, k, v and gate, up as one product each
                 kinds = (nn.Linear, Fp8Linear) if kernel else (nn.Linear,)
                 stack.enter_context(fused_projections(model, lambda: step(ids, pad, where, kv), kinds))
-            return export_step(static_batch)
+            return export_step(static_batch, folded)
 
-    def export_step(static_batch: bool):
+    def export_step(static_batch: bool, folded: bool | str = False):
         example_kv = layout.allocate(1 if static_batch else batch, cache_length, torch.bfloat16, "cuda")
         n = 1 if static_batch else batch
         example = (torch.zeros(n, 1, dtype=torch.long, device="cuda"), torch.ones(n, cache_length, dtype=torch.long,
                    device="cuda"), torch.tensor([256], device="cuda"), example_kv)
         b = torch.export.Dim.DYNAMIC(min=1, max=batch)
         shapes = None if static_batch else ({0: b}, {0: b}, None, [{0: b} for _ in example_kv])
-        return torch.export.export(step, example, dynamic_shapes=shapes, strict=False).run_decompositions(
-            decomposition_table())
+        program = torch.export.export(step, example, dynamic_shapes=shapes, strict=False)
+        if folded:  # as export_steps does: before the decomposition, the cache writes still in place
+            from exporter.kernels.decode_step_attention import fold
+
+            print(fold(program, merge_in_kernel=folded != "apart").note(), flush=True)
+        return program.run_decompositions(decomposition_table())
 
     autotune = {"max_autotune": True, "coordinate_descent_tuning": True}
     variants = [  # name, batch fixed at 1, projections fused, Inductor options, SDPA backend preferred
@@ -221,6 +229,14 @@ def main() -> None:
         # that, with Inductor fusing kernels that share no buffer (aggressive_fusion)
         ("AOTI, fused, batch 1, coordinate descent, exporter::decode_attention + exporter::gemv, aggressive_fusion",
          True, True, {"coordinate_descent_tuning": True, "aggressive_fusion": True}, "auto", True, True),
+        # variant 13 with each layer's rotary embedding and cache write folded into its attention kernel
+        # (kernels/decode_step_attention.py: generation.decode_step_kernel, as built)
+        ("AOTI, fused, batch 1, coordinate descent, exporter::decode_step_attention + exporter::gemv, combo_kernels",
+         True, True, {"coordinate_descent_tuning": True, "combo_kernels": True}, "auto", True, True, True),
+        # that, the slices of each attention merged by a kernel of their own (not by their last program)
+        ("AOTI, fused, batch 1, coordinate descent, exporter::decode_step_attention (merge kernel apart) + "
+         "exporter::gemv, combo_kernels",
+         True, True, {"coordinate_descent_tuning": True, "combo_kernels": True}, "auto", True, True, "apart"),
     ]
     from exporter.targets.aoti import program_tensors
 
@@ -248,6 +264,7 @@ def main() -> None:
         kernel = "kernel" in prefix
         attention = bool(flags and flags[0])
         products = len(flags) > 1 and bool(flags[1])
+        folded = flags[2] if len(flags) > 2 else False
         if only and number not in only:
             continue
         if prefix and not quantized:
@@ -264,9 +281,9 @@ def main() -> None:
             rows.append({"variant": name, "skipped": "time budget spent"})
             continue
         try:
-            key = (static, fuse, backend, kernel, attention, products)
+            key = (static, fuse, backend, kernel, attention, products, folded)
             if key not in programs:
-                programs[key] = export(static, fuse, backend, kernel, attention)
+                programs[key] = export(static, fuse, backend, kernel, attention, folded)
                 if products:
                     from exporter.kernels.decode_products import fuse as fuse_products
 

@@ -219,6 +219,10 @@ def test_a_batch_1_decode_program_without_its_target_or_task_is_refused():
     plain = resolve_recipe("cpu-fp32", targets=("aoti",), settings=on + ("generation.decode_gemv_kernel=false",),
                            task="text-generation")
     assert plain.generation.decode_attention_kernel and not plain.generation.decode_gemv_kernel
+    assert built.generation.decode_step_kernel  # its rotary embedding and cache write in the attention kernel
+    apart = resolve_recipe("cpu-fp32", targets=("aoti",), settings=on + ("generation.decode_step_kernel=false",),
+                           task="text-generation")
+    assert apart.generation.decode_attention_kernel and not apart.generation.decode_step_kernel
 
 
 def test_nothing_a_checked_file_holds_runs_unless_a_recipe_or_flag_says_so(tmp_path):

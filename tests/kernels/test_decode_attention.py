@@ -15,18 +15,12 @@ step's own. The step's mask built by ``exporter::step_mask`` is the step's own m
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from exporter.kernels import decode_attention as da
-
-ROOT = Path(__file__).resolve().parents[2]
-TRITON = ROOT / ".triton"
+from exporter.testing.interpreted import run_interpreted
 
 KERNEL = r"""
 import json, math, sys, torch
@@ -117,17 +111,6 @@ print(json.dumps(rows))
 """
 
 
-def interpreted(script: str, *args: str) -> list[dict]:
-    if not (TRITON / "triton").is_dir():
-        pytest.skip("Triton is not installed in .triton/ (scripts/test.sh installs it)")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(TRITON), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def test_the_kernels_match_float64_at_every_slicing_and_round_once_in_bfloat16():
     cases = [[4, 2, 1, 40, 16, "float32", True, [16, 1, 4], None],      # one slice, the tile not dividing it
              [8, 2, 1, 130, 16, "float32", True, [16, 3, 4], None],     # three slices merged
@@ -136,7 +119,7 @@ def test_the_kernels_match_float64_at_every_slicing_and_round_once_in_bfloat16()
              [14, 2, 1, 300, 64, "float32", True, None, None],          # Qwen2-0.5B's heads, the op's own tile
              [8, 2, 1, 512, 64, "bfloat16", True, None, None],
              [14, 2, 1, 300, 64, "bfloat16", True, None, None]]
-    rows = interpreted(KERNEL, json.dumps(cases))
+    rows = run_interpreted(KERNEL, json.dumps(cases))
     for row in rows[:5]:
         assert row["dtype"] == "torch.float32" and row["kernel"] < 1e-5, row  # float32's own error
     for row in rows[5:]:
@@ -148,20 +131,20 @@ def test_the_bounds_fail_a_kernel_given_a_wrong_scale_or_no_mask():
     cases = [[8, 2, 1, 64, 16, "float32", True, [16, 2, 4], "scale"],
              [8, 2, 1, 64, 16, "float32", True, [16, 2, 4], "no mask"],
              [8, 2, 1, 512, 64, "bfloat16", True, None, "scale"]]
-    scale, no_mask, scale16 = interpreted(KERNEL, json.dumps(cases))
+    scale, no_mask, scale16 = run_interpreted(KERNEL, json.dumps(cases))
     assert scale["kernel"] > 1e-2 and no_mask["kernel"] > 1e-2, (scale, no_mask)
     assert scale16["kernel"] > 2 * scale16["toward_zero"], scale16
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_a_decoder_step_routed_runs_every_attention_in_the_kernel(kind):
-    for row in interpreted(STEP, kind):
+    for row in run_interpreted(STEP, kind):
         assert row["routed"] == row["layers"] and row["kept"] == 0, row  # every layer's attention, none left on SDPA
         assert row["kernel"] < 1e-5 and row["kernel"] < 10 * row["sdpa"] + 1e-6, row  # the step's own logits
 
 
 def test_the_step_mask_kernel_builds_the_steps_mask_bit_for_bit():
-    for row in interpreted(MASK):
+    for row in run_interpreted(MASK):
         assert row["shape"] == [3, 1, 3, 1500] and row["hidden"] > 0, row
         assert row["equal"] and row["routed_equal"], row  # 0 and the dtype's lowest value, where the step puts them
 

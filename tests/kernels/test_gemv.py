@@ -19,15 +19,10 @@ kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``) in a process of 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-TRITON = ROOT / ".triton"
+from exporter.testing.interpreted import run_interpreted
 
 KERNEL = r"""
 import json, sys, torch
@@ -119,17 +114,6 @@ print(json.dumps({"products": done.products, "norms": done.norms, "activations":
 """
 
 
-def interpreted(script: str, *args: str):
-    if not (TRITON / "triton").is_dir():
-        pytest.skip("Triton is not installed in .triton/ (scripts/test.sh installs it)")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(TRITON), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def test_the_kernel_matches_float64_with_all_it_folds_in_and_rounds_where_the_model_rounds():
     # n, k, dtype, norm, glu, residual, bias, tile (None: the op at config()), defect
     cases = [[48, 200, "float32", True, False, False, False, [4, 64, 2], None],   # the tile not dividing the row
@@ -140,7 +124,7 @@ def test_the_kernel_matches_float64_with_all_it_folds_in_and_rounds_where_the_mo
              [128, 256, "bfloat16", True, True, False, False, None, None],        # gate/up, silu(gate) * up
              [64, 1024, "bfloat16", False, False, True, False, None, None],       # down, the residual added
              [80, 512, "bfloat16", False, False, True, True, [1, 512, 4], None]]
-    rows = interpreted(KERNEL, json.dumps(cases))
+    rows = run_interpreted(KERNEL, json.dumps(cases))
     for row, case in zip(rows, cases):
         assert row["shape"] == ([case[0]] if case[7] else [1, 1, case[0]]), row
     for row in rows[:4]:
@@ -154,13 +138,13 @@ def test_the_bounds_fail_a_kernel_given_another_norm_weight_or_no_residual():
     cases = [[96, 512, "bfloat16", True, False, False, False, None, "norm"],
              [64, 1024, "bfloat16", False, False, True, False, None, "residual"],
              [48, 200, "float32", True, False, False, False, [4, 64, 2], "norm"]]
-    for row in interpreted(KERNEL, json.dumps(cases)):
+    for row in run_interpreted(KERNEL, json.dumps(cases)):
         assert row["kernel"] > 1e-2 and row["kernel"] > 1.2 * row["emulated"], row
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_the_rewrite_folds_every_product_of_a_decode_step_and_keeps_its_logits(kind):
-    row = interpreted(STEP, kind, "float32")
+    row = run_interpreted(STEP, kind, "float32")
     layers = row["layers"]
     assert row["products"] == 4 * layers + 1 and row["kept"] == 0, row  # q/k/v, o, gate/up, down a layer; the head
     assert row["norms"] == 2 * layers + 1 and row["activations"] == layers and row["residuals"] == 2 * layers, row
@@ -169,12 +153,12 @@ def test_the_rewrite_folds_every_product_of_a_decode_step_and_keeps_its_logits(k
 
 
 def test_in_bfloat16_the_rewritten_step_stays_within_the_programs_own_rounding():
-    row = interpreted(STEP, "llama", "bfloat16")
+    row = run_interpreted(STEP, "llama", "bfloat16")
     assert row["products"] == 9 and row["program"] > 1e-3, row
     assert row["fused"] < 3 * row["program"], row  # the interpreter rounds toward zero: about twice the GPU's error
 
 
 def test_gpt2s_transposed_products_are_left_as_they_were():
-    row = interpreted(STEP, "gpt2", "float32")
+    row = run_interpreted(STEP, "gpt2", "float32")
     assert row["products"] == 1 and row["kept"] == 4 * row["layers"], row  # the head alone is a plain linear
     assert row["fused"] < 1e-5, row

@@ -12,18 +12,12 @@ GPU rounds to nearest, so there the bound is one unit in the last place rather t
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from exporter.quantize import fp8, fp8_gemv
-
-ROOT = Path(__file__).resolve().parents[2]
-TRITON = ROOT / ".triton"
+from exporter.testing.interpreted import run_interpreted
 
 INTERPRETED = r"""
 import json, sys, torch
@@ -56,14 +50,7 @@ print(json.dumps(rows))
 
 
 def interpreted(cases: list) -> list[dict]:
-    if not (TRITON / "triton").is_dir():
-        pytest.skip("Triton is not installed in .triton/ (scripts/test.sh installs it)")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(TRITON), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", INTERPRETED, json.dumps(cases)], capture_output=True, text=True,
-                          env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_interpreted(INTERPRETED, json.dumps(cases))
 
 
 def test_the_kernel_sums_in_float32_at_every_tile_the_gpu_uses_and_rounds_once():

@@ -90,7 +90,8 @@ class Decoder(Family):
         return export_steps(DecoderStep(model, transformers, layout.padding_mask_2d), layout, gen.batch,
                             gen.prompt_length, gen.max_cache_len, torch_dtype(recipe.runtime.dtype),
                             recipe.runtime.device, fuse=gen.fuse_projections, past=past, one=one,
-                            attention_kernel=gen.decode_attention_kernel, gemv_kernel=gen.decode_gemv_kernel)
+                            attention_kernel=gen.decode_attention_kernel, gemv_kernel=gen.decode_gemv_kernel,
+                            step_kernel=gen.decode_step_kernel)
 
     def eager_generate(self, model: torch.nn.Module, prompt: Prompt, layout: CacheLayout,
                        recipe: Recipe) -> dict[str, Any]:

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import describe
-from ..kernels import decode_products, gemv
+from ..kernels import decode_products, decode_step_attention, gemv
 from ..kernels.decode_attention import routed
 from ..quantize.fp8 import Fp8Linear
 from ..quantize.fp8_gemv import one_row_kernel
@@ -62,7 +62,8 @@ def _examples(layout: CacheLayout, batch: int, prompt: int, cache_length: int, d
 
 def export_steps(step: DecoderStep, layout: CacheLayout, batch: int, prompt: int, cache_length: int,
                  dtype: torch.dtype, device: str, fuse: bool = False, past: bool = False,
-                 one: bool = False, attention_kernel: bool = False, gemv_kernel: bool = False) -> DecoderPrograms:
+                 one: bool = False, attention_kernel: bool = False, gemv_kernel: bool = False,
+                 step_kernel: bool = False) -> DecoderPrograms:
     """Both programs, decomposed to core ATen with SDPA kept. Named dims first; on a guard torch cannot prove
     over the range (seen on CUDA) the same ranges as ``Dim.DYNAMIC`` hints, noted. ``fuse``: the linears that
     read one tensor (q, k, v; gate, up) exported as one product each (``generation.fused_projections``).
@@ -72,7 +73,9 @@ def export_steps(step: DecoderStep, layout: CacheLayout, batch: int, prompt: int
     ``attention_kernel`` its attention calls on CUDA run ``exporter::decode_attention``
     (``kernels/decode_attention.py``), the calls it does not take SDPA as before; with ``gemv_kernel`` its
     products of one row on CUDA, with the RMSNorm before and the activation or residual add after each, run
-    ``exporter::gemv`` (``kernels/decode_products.py``)."""
+    ``exporter::gemv`` (``kernels/decode_products.py``); with ``step_kernel`` (and ``attention_kernel``) each such
+    attention takes this step's rotary embedding and cache write, as ``exporter::decode_step_attention``
+    (``kernels/decode_step_attention.py``)."""
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
         groups = []
@@ -85,6 +88,10 @@ def export_steps(step: DecoderStep, layout: CacheLayout, batch: int, prompt: int
             _, single = _examples(layout, 1, prompt, cache_length, dtype, device)
             with one_row_kernel(), routed(attention_kernel and device.startswith("cuda")) as route:
                 program = torch.export.export(step, single, strict=False)
+            if route is not None and step_kernel:
+                folded = decode_step_attention.fold(program)  # before the decomposition: index_copy_ still in place
+                exported.notes.append(f"the decode program of batch 1: {folded.note()} "
+                                      "(generation.decode_step_kernel)")
             exported.decode_one = program.run_decompositions(decompositions(layout))
             if gemv_kernel and device.startswith("cuda") and gemv.AVAILABLE:
                 fused = decode_products.fuse(exported.decode_one)

@@ -117,11 +117,17 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 if AVAILABLE:
 
     @triton.jit
-    def _slice_kernel(q_ptr, k_ptr, v_ptr, b_ptr, o_ptr, part_ptr, ml_ptr,
+    def _slice_kernel(q_ptr, k_ptr, v_ptr, b_ptr, o_ptr, part_ptr, ml_ptr, kn_ptr, vn_ptr, cos_ptr, sin_ptr, pos_ptr,
+                      count_ptr,
                       sq_h, sq_r, sk_h, sk_c, sv_h, sv_c, slots, rows, dim, dim_v, scale,
                       GROUP: tl.constexpr, ROWS_PER_HEAD: tl.constexpr, SPLITS: tl.constexpr, SPLIT_LEN: tl.constexpr,
                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
+                      HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, APPEND: tl.constexpr = False,
+                      ROPE: tl.constexpr = False, LAST_MERGES: tl.constexpr = False):
+        # APPEND (kernels/decode_step_attention.py): this step's key and value (kn, vn: [Hkv, D], one position) are
+        # not in the cache yet. Every program leaves their slot (pos) out of what it reads; the first slice's
+        # program scores them from registers and writes them into the cache, so no program reads a slot another
+        # writes. ROPE: q and the new key are rotated here first (rotate_half, cos/sin [D]), rounded once
         head = tl.program_id(0)  # the key/value head
         part = tl.program_id(1)  # the slice of slots
         r = tl.arange(0, BLOCK_R)  # row r: query head head * GROUP + r // ROWS_PER_HEAD, its row r % ROWS_PER_HEAD
@@ -130,15 +136,44 @@ if AVAILABLE:
         q_head = head * GROUP + r // ROWS_PER_HEAD
         q_row = r % ROWS_PER_HEAD
         live = r < rows
-        q = tl.load(q_ptr + q_head[:, None] * sq_h + q_row[:, None] * sq_r + d[None, :],
-                    mask=live[:, None] & (d[None, :] < dim), other=0.0)
+        q_at = q_ptr + q_head[:, None] * sq_h + q_row[:, None] * sq_r
+        q = tl.load(q_at + d[None, :], mask=live[:, None] & (d[None, :] < dim), other=0.0)
+        if ROPE:
+            half = dim // 2
+            partner = tl.where(d < half, d + half, d - half)
+            sign = tl.where(d < half, -1.0, 1.0)
+            cos = tl.load(cos_ptr + d, mask=d < dim, other=0.0).to(tl.float32)
+            sin = tl.load(sin_ptr + d, mask=d < dim, other=0.0).to(tl.float32)
+            turned = tl.load(q_at + partner[None, :], mask=live[:, None] & (d[None, :] < dim), other=0.0)
+            q = (q.to(tl.float32) * cos[None, :] + sign[None, :] * turned.to(tl.float32) * sin[None, :]).to(
+                q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
         m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
         acc = tl.zeros([BLOCK_R, BLOCK_DV], dtype=tl.float32)
+        pos = -1
+        if APPEND:
+            pos = tl.load(pos_ptr).to(tl.int32)
+            if part == 0:
+                k_new = tl.load(kn_ptr + head * dim + d, mask=d < dim, other=0.0)
+                if ROPE:
+                    k_turned = tl.load(kn_ptr + head * dim + partner, mask=d < dim, other=0.0)
+                    k_new = (k_new.to(tl.float32) * cos + sign * k_turned.to(tl.float32) * sin).to(
+                        kn_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+                v_new = tl.load(vn_ptr + head * dim_v + dv, mask=dv < dim_v, other=0.0)
+                tl.store(k_ptr + head * sk_h + pos * sk_c + d, k_new, mask=d < dim)
+                tl.store(v_ptr + head * sv_h + pos * sv_c + dv, v_new, mask=dv < dim_v)
+                s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
+                if HAS_BIAS:
+                    s_new += tl.load(b_ptr + pos).to(tl.float32)
+                m_i = s_new
+                m_safe0 = tl.where(s_new == float("-inf"), 0.0, s_new)
+                w_new = tl.exp(s_new - m_safe0).to(v_new.dtype)
+                l_i = w_new.to(tl.float32)
+                acc = w_new.to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
         start = part * SPLIT_LEN
         for offset in range(0, SPLIT_LEN, BLOCK_C):
             c = start + offset + tl.arange(0, BLOCK_C)
-            inside = c < slots
+            inside = (c < slots) & (c != pos)
             k = tl.load(k_ptr + head * sk_h + c[:, None] * sk_c + d[None, :],
                         mask=inside[:, None] & (d[None, :] < dim), other=0.0)
             if IEEE:  # float32 operands, or Triton's interpreter (whose dot misreads bfloat16): exact products
@@ -172,37 +207,55 @@ if AVAILABLE:
             tl.store(part_ptr + at[:, None] * BLOCK_DV + dv[None, :], acc)
             tl.store(ml_ptr + 2 * at, m_i)
             tl.store(ml_ptr + 2 * at + 1, l_i)
+            if LAST_MERGES:  # the head's slices counted as they finish (acq_rel: each one's sums are visible to
+                # the program that counts after it); the last merges them, and no merge kernel is launched
+                done = tl.atomic_add(count_ptr + head, 1, sem="acq_rel")
+                if done == SPLITS - 1:
+                    _merge(head, o_ptr, part_ptr, ml_ptr, rows, dim_v, GROUP, ROWS_PER_HEAD, SPLITS, BLOCK_R,
+                           BLOCK_DV)
 
     @triton.jit
-    def _merge_kernel(o_ptr, part_ptr, ml_ptr, rows, dim_v,
-                      GROUP: tl.constexpr, ROWS_PER_HEAD: tl.constexpr, SPLITS: tl.constexpr,
-                      BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr):
-        head = tl.program_id(0)
+    def _merge(head, o_ptr, part_ptr, ml_ptr, rows, dim_v, GROUP: tl.constexpr, ROWS_PER_HEAD: tl.constexpr,
+               SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr):
+        # the slices' partial sums read past the L1 (.cg): in the slice kernel's last program they were written by
+        # other programs
         r = tl.arange(0, BLOCK_R)
         dv = tl.arange(0, BLOCK_DV)
         m_all = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
         for part in tl.static_range(SPLITS):
             at = (head * SPLITS + part) * BLOCK_R + r
-            m_all = tl.maximum(m_all, tl.load(ml_ptr + 2 * at))
+            m_all = tl.maximum(m_all, tl.load(ml_ptr + 2 * at, cache_modifier=".cg"))
         m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
         total = tl.zeros([BLOCK_R], dtype=tl.float32)
         acc = tl.zeros([BLOCK_R, BLOCK_DV], dtype=tl.float32)
         for part in tl.static_range(SPLITS):
             at = (head * SPLITS + part) * BLOCK_R + r
-            weight = tl.exp(tl.load(ml_ptr + 2 * at) - m_safe)
-            total += weight * tl.load(ml_ptr + 2 * at + 1)
-            acc += weight[:, None] * tl.load(part_ptr + at[:, None] * BLOCK_DV + dv[None, :])
+            weight = tl.exp(tl.load(ml_ptr + 2 * at, cache_modifier=".cg") - m_safe)
+            total += weight * tl.load(ml_ptr + 2 * at + 1, cache_modifier=".cg")
+            acc += weight[:, None] * tl.load(part_ptr + at[:, None] * BLOCK_DV + dv[None, :], cache_modifier=".cg")
         out = acc / total[:, None]
         q_head = head * GROUP + r // ROWS_PER_HEAD
         q_row = r % ROWS_PER_HEAD
         tl.store(o_ptr + (q_head[:, None] * ROWS_PER_HEAD + q_row[:, None]) * dim_v + dv[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=(r[:, None] < rows) & (dv[None, :] < dim_v))
 
+    @triton.jit
+    def _merge_kernel(o_ptr, part_ptr, ml_ptr, rows, dim_v,
+                      GROUP: tl.constexpr, ROWS_PER_HEAD: tl.constexpr, SPLITS: tl.constexpr,
+                      BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr):
+        _merge(tl.program_id(0), o_ptr, part_ptr, ml_ptr, rows, dim_v, GROUP, ROWS_PER_HEAD, SPLITS, BLOCK_R,
+               BLOCK_DV)
+
     def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-               scale: float, block_c: int, splits: int, warps: int, wrap=lambda kernel: kernel) -> None:
+               scale: float, block_c: int, splits: int, warps: int, wrap=lambda kernel: kernel,
+               append: tuple | None = None, count: torch.Tensor | None = None) -> None:
         """One attention at the given tile and number of slices (``wrap``: ``wrap_triton`` inside the op). ``q``
         ``[1, H, R, D]``, ``k``/``v`` ``[1, Hkv, C, D]`` with unit last strides, ``bias`` ``[C]`` or None, ``out``
-        ``[1, H, R, Dv]`` contiguous."""
+        ``[1, H, R, Dv]`` contiguous. ``append``: ``(k_new, v_new, cos, sin, position)``, this step's key and value
+        ``[Hkv, D]`` contiguous written into ``k``/``v`` at ``position`` ``[1]`` by the kernel, q and the key rotated
+        first where ``cos``/``sin`` ``[D]`` are given (kernels/decode_step_attention.py). ``count``: ``[Hkv]``
+        int32 zeros; with more than one slice the last program of each head merges the slices (and leaves its
+        count at the number of slices), instead of a second kernel."""
         heads, per_head, dim = q.shape[1], q.shape[2], q.shape[3]
         kv_heads, slots, dim_v = k.shape[1], k.shape[2], v.shape[3]
         group = heads // kv_heads
@@ -213,13 +266,16 @@ if AVAILABLE:
         parts = torch.empty((kv_heads * splits * block_r, block_dv) if splits > 1 else (1,), dtype=torch.float32,
                             device=q.device)
         ml = torch.empty((kv_heads * splits * block_r * 2) if splits > 1 else 1, dtype=torch.float32, device=q.device)
+        new = [t if t is not None else ml for t in (append or (None,) * 5)]
+        rope = append is not None and append[2] is not None
         wrap(_slice_kernel)[(kv_heads, splits)](
-            q, k, v, bias if bias is not None else ml, out, parts, ml,
+            q, k, v, bias if bias is not None else ml, out, parts, ml, *new, count if count is not None else ml,
             q.stride(1), q.stride(2), k.stride(1), k.stride(2), v.stride(1), v.stride(2), slots, rows, dim, dim_v,
             scale, GROUP=group, ROWS_PER_HEAD=per_head, SPLITS=splits, SPLIT_LEN=split_len, BLOCK_R=block_r,
             BLOCK_C=block_c, BLOCK_D=block_d, BLOCK_DV=block_dv, HAS_BIAS=bias is not None,
-            IEEE=q.dtype == torch.float32 or INTERPRETED, num_warps=warps)
-        if splits > 1:
+            IEEE=q.dtype == torch.float32 or INTERPRETED, APPEND=append is not None, ROPE=rope,
+            LAST_MERGES=count is not None and splits > 1, num_warps=warps)
+        if splits > 1 and count is None:
             wrap(_merge_kernel)[(kv_heads,)](out, parts, ml, rows, dim_v, GROUP=group, ROWS_PER_HEAD=per_head,
                                              SPLITS=splits, BLOCK_R=block_r, BLOCK_DV=block_dv, num_warps=warps)
 

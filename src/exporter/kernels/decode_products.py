@@ -45,23 +45,23 @@ class Fused:
                 f"{self.activations} with silu(gate) * up, {self.residuals} with the residual add){kept}")
 
 
-def _call(node: Any, *targets: Any) -> bool:
+def is_call(node: Any, *targets: Any) -> bool:
     return isinstance(node, Node) and node.op == "call_function" and node.target in targets
 
 
-def _val(node: Any) -> Any:
+def tensor_value(node: Any) -> Any:
     value = node.meta.get("val") if isinstance(node, Node) else None
     return value if isinstance(value, torch.Tensor) else None
 
 
 def _param(node: Any, dims: int) -> bool:
-    value = _val(node)
+    value = tensor_value(node)
     return isinstance(node, Node) and node.op == "placeholder" and value is not None and value.dim() == dims
 
 
 def _skip_casts(node: Any, dtype: torch.dtype | None = None) -> Any:
     """``node`` past any ``_to_copy`` that changes only the dtype (to ``dtype`` where given)."""
-    while _call(node, aten._to_copy.default) and set(node.kwargs) <= {"dtype"}:
+    while is_call(node, aten._to_copy.default) and set(node.kwargs) <= {"dtype"}:
         if dtype is not None and node.kwargs.get("dtype") != dtype:
             break
         node = node.args[0]
@@ -69,8 +69,9 @@ def _skip_casts(node: Any, dtype: torch.dtype | None = None) -> Any:
 
 
 def _same_shape_slice(node: Any) -> Any:
-    while _call(node, aten.slice.Tensor) and _val(node) is not None and _val(node.args[0]) is not None and \
-            tuple(_val(node).shape) == tuple(_val(node.args[0]).shape):
+    while is_call(node, aten.slice.Tensor) and tensor_value(node) is not None and \
+            tensor_value(node.args[0]) is not None and \
+            tuple(tensor_value(node).shape) == tuple(tensor_value(node.args[0]).shape):
         node = node.args[0]
     return node
 
@@ -78,27 +79,27 @@ def _same_shape_slice(node: Any) -> Any:
 def _rmsnorm(h: Any) -> Any:
     """``(x, weight, eps)`` where ``h`` is transformers' RMSNorm of ``x``."""
     h = _same_shape_slice(h)
-    if not _call(h, aten.mul.Tensor) or len(h.args) != 2:
+    if not is_call(h, aten.mul.Tensor) or len(h.args) != 2:
         return None
     a, b = h.args
     weight, normed = (a, b) if _param(a, 1) else (b, a) if _param(b, 1) else (None, None)
     if weight is None:
         return None
     scaled = _skip_casts(normed)
-    if not _call(scaled, aten.mul.Tensor) or len(scaled.args) != 2:
+    if not is_call(scaled, aten.mul.Tensor) or len(scaled.args) != 2:
         return None
     for x32, inv in (scaled.args, scaled.args[::-1]):
-        if not _call(inv, aten.rsqrt.default) or not _call(inv.args[0], aten.add.Tensor):
+        if not is_call(inv, aten.rsqrt.default) or not is_call(inv.args[0], aten.add.Tensor):
             continue
         mean, eps = inv.args[0].args[:2]
-        if not isinstance(eps, float) or not _call(mean, aten.mean.dim) or list(mean.args[1]) != [-1] or \
+        if not isinstance(eps, float) or not is_call(mean, aten.mean.dim) or list(mean.args[1]) != [-1] or \
                 not (len(mean.args) > 2 and mean.args[2] or mean.kwargs.get("keepdim")):
             continue
         square = mean.args[0]
-        if not _call(square, aten.pow.Tensor_Scalar) or square.args[1] != 2 or square.args[0] is not x32:
+        if not is_call(square, aten.pow.Tensor_Scalar) or square.args[1] != 2 or square.args[0] is not x32:
             continue
         x = _skip_casts(x32)
-        x_val, x32_val = _val(x), _val(x32)
+        x_val, x32_val = tensor_value(x), tensor_value(x32)
         if x_val is None or x32_val is None or x32_val.dtype != torch.float32:
             return None
         return x, weight, eps
@@ -108,25 +109,25 @@ def _rmsnorm(h: Any) -> Any:
 def _product(node: Any) -> Any:
     """``(h, weight, bias, out)`` where ``node`` is ``mm``/``addmm`` of one row of ``h`` by a parameter's transpose
     and ``out`` the ``view`` of its result back to ``h``'s leading dimensions."""
-    if _call(node, aten.mm.default):
+    if is_call(node, aten.mm.default):
         rows, transposed, bias = node.args[0], node.args[1], None
-    elif _call(node, aten.addmm.default) and not node.kwargs:
+    elif is_call(node, aten.addmm.default) and not node.kwargs:
         bias, rows, transposed = node.args[:3]
         if not _param(bias, 1):
             return None
     else:
         return None
-    if not _call(transposed, aten.permute.default) or list(transposed.args[1]) != [1, 0] or \
-            not _param(transposed.args[0], 2) or not _call(rows, aten.view.default):
+    if not is_call(transposed, aten.permute.default) or list(transposed.args[1]) != [1, 0] or \
+            not _param(transposed.args[0], 2) or not is_call(rows, aten.view.default):
         return None
     weight, h = transposed.args[0], rows.args[0]
-    h_val, w_val, out_val = _val(h), _val(weight), _val(node)
+    h_val, w_val, out_val = tensor_value(h), tensor_value(weight), tensor_value(node)
     if h_val is None or w_val is None or out_val is None or h_val.numel() != w_val.shape[1] or \
             h_val.dtype != w_val.dtype or h_val.dtype not in (torch.bfloat16, torch.float16, torch.float32) or \
             out_val.shape[0] != 1 or len(node.users) != 1:
         return None
     (out,) = node.users
-    if not _call(out, aten.view.default) or tuple(_val(out).shape) != (*h_val.shape[:-1], w_val.shape[0]):
+    if not is_call(out, aten.view.default) or tuple(tensor_value(out).shape) != (*h_val.shape[:-1], w_val.shape[0]):
         return None
     return h, weight, bias, out
 
@@ -136,34 +137,34 @@ def _glu(out: Any) -> Any:
     if len(out.users) != 1:
         return None
     (split,) = out.users
-    if not _call(split, aten.split_with_sizes.default) or len(set(split.args[1])) != 1 or len(split.args[1]) != 2 \
-            or split.args[2] not in (-1, _val(out).dim() - 1):
+    if not is_call(split, aten.split_with_sizes.default) or len(set(split.args[1])) != 1 or len(split.args[1]) != 2 \
+            or split.args[2] not in (-1, tensor_value(out).dim() - 1):
         return None
-    halves = {user.args[1]: user for user in split.users if _call(user, operator.getitem)}
+    halves = {user.args[1]: user for user in split.users if is_call(user, operator.getitem)}
     if set(halves) != {0, 1} or len(split.users) != 2:
         return None
     gate, up = halves[0], halves[1]
     first: Any = next(iter(gate.users)) if len(gate.users) == 1 else None
-    if _call(first, aten.silu.default):
+    if is_call(first, aten.silu.default):
         activation = first
     else:  # silu decomposed: x * sigmoid(x), in float32 for a half dtype
-        wide: Any = first if _call(first, aten._to_copy.default) else gate
-        sigmoid = next((u for u in wide.users if _call(u, aten.sigmoid.default)), None)
+        wide: Any = first if is_call(first, aten._to_copy.default) else gate
+        sigmoid = next((u for u in wide.users if is_call(u, aten.sigmoid.default)), None)
         if len(wide.users) != 2 or sigmoid is None or len(sigmoid.users) != 1:
             return None
         (activation,) = sigmoid.users
-        if not _call(activation, aten.mul.Tensor) or set(activation.args) != {wide, sigmoid} or \
+        if not is_call(activation, aten.mul.Tensor) or set(activation.args) != {wide, sigmoid} or \
                 activation not in wide.users:
             return None
     if len(activation.users) != 1:
         return None
     (narrowed,) = activation.users
-    if not _call(narrowed, aten._to_copy.default):
+    if not is_call(narrowed, aten._to_copy.default):
         narrowed = activation
     elif len(narrowed.users) != 1:
         return None
     (after,) = narrowed.users
-    if not _call(after, aten.mul.Tensor) or set(after.args) != {narrowed, up} or len(up.users) != 1:
+    if not is_call(after, aten.mul.Tensor) or set(after.args) != {narrowed, up} or len(up.users) != 1:
         return None
     return after
 
@@ -173,16 +174,16 @@ def _residual(out: Any) -> Any:
     if len(out.users) != 1:
         return None
     (add,) = out.users
-    if not _call(add, aten.add.Tensor) or len(add.args) != 2 or add.kwargs:
+    if not is_call(add, aten.add.Tensor) or len(add.args) != 2 or add.kwargs:
         return None
     other = add.args[1] if add.args[0] is out else add.args[0]
-    value, mine = _val(other), _val(out)
+    value, mine = tensor_value(other), tensor_value(out)
     if value is None or mine is None or value.shape != mine.shape or value.dtype != mine.dtype:
         return None
     return add, other
 
 
-def _prune(graph: Graph) -> None:
+def prune(graph: Graph) -> None:
     """Remove nodes nothing reads, and the metadata asserts that alone read them."""
     while True:
         removed = False
@@ -212,7 +213,7 @@ def fuse(program: torch.export.ExportedProgram) -> Fused:
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in (aten.mm.default, aten.addmm.default):
             continue
-        if _val(node) is not None and _val(node).shape[0] != 1:
+        if tensor_value(node) is not None and tensor_value(node).shape[0] != 1:
             continue
         found = _product(node)
         if found is None:
@@ -220,12 +221,12 @@ def fuse(program: torch.export.ExportedProgram) -> Fused:
             continue
         h, weight, bias, last = found
         norm = _rmsnorm(h)
-        if norm is not None and _val(norm[0]).dtype != _val(h).dtype:
+        if norm is not None and tensor_value(norm[0]).dtype != tensor_value(h).dtype:
             norm = None  # the kernel's output takes the dtype of what it reads
         x, norm_weight, eps = norm if norm is not None else (h, None, 1e-6)
         glu = _glu(last)
         if glu is not None:
-            if _val(weight).shape[0] % 2:
+            if tensor_value(weight).shape[0] % 2:
                 glu = None
             else:
                 last = glu
@@ -233,8 +234,8 @@ def fuse(program: torch.export.ExportedProgram) -> Fused:
         residual_node = None
         if residual is not None:
             last, residual_node = residual
-        rows = _val(weight).shape[0] // (2 if glu is not None else 1)
-        if tuple(_val(last).shape) != (*_val(x).shape[:-1], rows):
+        rows = tensor_value(weight).shape[0] // (2 if glu is not None else 1)
+        if tuple(tensor_value(last).shape) != (*tensor_value(x).shape[:-1], rows):
             done.kept.append(node.name)
             continue
         with graph.inserting_before(last):
@@ -246,7 +247,7 @@ def fuse(program: torch.export.ExportedProgram) -> Fused:
         done.norms += norm is not None
         done.activations += glu is not None
         done.residuals += residual_node is not None
-    _prune(graph)
+    prune(graph)
     graph.lint()
     program.graph_module.recompile()
     return done

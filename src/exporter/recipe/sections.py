@@ -93,6 +93,10 @@ class GenerationSection:
     # exporter::decode_attention (kernels/decode_attention.py), the cache's grouped heads read once and the mask as one
     # row, instead of SDPA after transformers' repeat_kv; false keeps SDPA
     decode_attention_kernel: bool = True
+    # the same program, on CUDA: each such attention with this step's rotary embedding of q and the key and the
+    # cache write folded in, as one exporter::decode_step_attention kernel (kernels/decode_step_attention.py);
+    # false leaves them to Inductor
+    decode_step_kernel: bool = True
     # the same program, on CUDA: each product of one row, with the RMSNorm before it, silu(gate) * up after a fused
     # gate/up product and the residual add after it, as one exporter::gemv kernel (kernels/decode_products.py);
     # false keeps Inductor's reductions

@@ -230,8 +230,8 @@ def render_generation(report: dict[str, Any]) -> str:
             attend = "Attention" if row["name"] == "onnx" else "sdpa"  # what SDPA is in an ONNX graph
             lines.append(f"- {row['name']} programs: " + "; ".join(
                 f"{name}: {attend} ×{ops['sdpa']}, softmax ×{ops['softmax']}"
-                + (f", exporter::decode_attention ×{ops['decode_attention']}" if ops.get("decode_attention") else "")
-                + (f", exporter::gemv ×{ops['gemv']}" if ops.get("gemv") else "")
+                + "".join(f", exporter::{kernel} ×{ops[kernel]}" for kernel in
+                          ("decode_attention", "decode_step_attention", "gemv") if ops.get(kernel))
                 for name, ops in programs.items())
                 + (f"; {len(row['fused_projections'])} groups of linears fused into one product each"
                    if row.get("fused_projections") else ""))

@@ -325,6 +325,9 @@ def count_graph_ops(graph: fx.Graph) -> dict[str, int]:
             counts["sdpa"] += 1
         elif text.startswith("exporter.decode_attention"):  # kernels/decode_attention.py: one decode step's attention
             counts["decode_attention"] = counts.get("decode_attention", 0) + 1
+        elif text.startswith("exporter.decode_step_attention") or (  # with its cache write (a functional program:
+                "auto_functionalized" in text and "decode_step_attention" in str(node.args[:1])):  # as its writes)
+            counts["decode_step_attention"] = counts.get("decode_step_attention", 0) + 1
         elif text.startswith("exporter.gemv"):  # kernels/gemv.py: a product of one row and what surrounds it
             counts["gemv"] = counts.get("gemv", 0) + 1
         elif "softmax" in text:

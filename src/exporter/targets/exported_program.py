@@ -149,7 +149,7 @@ def program_attention(program: Any) -> dict[str, int]:
     ``exporter::gemv`` nodes, where the decode program of batch 1 holds any)."""
     ops = count_graph_ops(program.graph_module.graph)
     found = {"sdpa": ops["sdpa"], "softmax": ops["softmax"]}
-    for kernel in ("decode_attention", "gemv"):
+    for kernel in ("decode_attention", "decode_step_attention", "gemv"):
         if ops.get(kernel):
             found[kernel] = ops[kernel]
     return found
