@@ -60,12 +60,7 @@ def reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cos: to
     keys, values = k_cache.double().clone(), v_cache.double().clone()
     keys.index_copy_(2, position, k64)
     values.index_copy_(2, position, v_new.double())
-    scores = q64 @ keys.repeat_interleave(q.shape[1] // keys.shape[1], 1).transpose(-1, -2)
-    scores = scores * (scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
-    if bias is not None:
-        scores = scores + bias.double().reshape(-1)
-    out = scores.softmax(-1) @ values.repeat_interleave(q.shape[1] // values.shape[1], 1)
-    return out, keys, values
+    return da.reference(q64, keys, values, None if bias is None else bias.double(), scale), keys, values
 
 
 if da.AVAILABLE:
@@ -199,9 +194,9 @@ def fold(program: torch.export.ExportedProgram, sdpa: bool = False, merge_in_ker
     graph = program.graph_module.graph
     done = Folded()
     first = next(n for n in graph.nodes if n.op != "placeholder")
-    with graph.inserting_before(first):
-        count = graph.call_function(aten.empty.memory_format, ([0],), {"dtype": torch.int32})
-    steps: list[Node] = []
+    with graph.inserting_before(first):  # the counts, sized once every attention is known (empty: merge kernels)
+        count = graph.call_function(aten.zeros.default, ([0],), {"dtype": torch.int32})
+    heads = 0  # the counts' offset: key/value heads of the attentions folded so far
     for node in list(graph.nodes):
         found = _attention(node, sdpa)
         if found is None:
@@ -221,8 +216,8 @@ def fold(program: torch.export.ExportedProgram, sdpa: bool = False, merge_in_ker
         with graph.inserting_before(node):
             step = graph.call_function(torch.ops.exporter.decode_step_attention.default,
                                        (q, k_new, v_new, cos, sin, position, k_cache, v_cache, mask, scale, count,
-                                        sum(tensor_value(s.args[6]).shape[1] for s in steps)))
-        steps.append(step)
+                                        heads))
+        heads += tensor_value(k_cache).shape[1]
         step.meta = dict(node.meta)
         node.replace_all_uses_with(step)
         graph.erase_node(node)
@@ -231,15 +226,9 @@ def fold(program: torch.export.ExportedProgram, sdpa: bool = False, merge_in_ker
                 graph.erase_node(user)  # metadata asserts
             graph.erase_node(write)
         done.attentions += 1
-    if steps and merge_in_kernel:  # the counts: one zeroed buffer, before the first attention
-        device = tensor_value(steps[0].args[0]).device
-        count.args, count.kwargs = ([sum(tensor_value(s.args[6]).shape[1] for s in steps)],), {"dtype": torch.int32,
-                                                                                          "device": device}
-        count.target = aten.zeros.default
-    else:
-        device = tensor_value(steps[0].args[0]).device if steps else None
-        count.kwargs = {"dtype": torch.int32, "device": device}
-    prune(graph)
+        count.args, count.kwargs = ([heads if merge_in_kernel else 0],), {"dtype": torch.int32,
+                                                                          "device": tensor_value(k_cache).device}
+    prune(graph)  # the counts too, where nothing was folded
     graph.lint()
     program.graph_module.recompile()
     return done
