@@ -1,6 +1,9 @@
 """``exporter::gemv`` against what Inductor writes for the same products of a decode step at batch 1, alone.
 
 Run on the GPU machine: ``PYTHONPATH=src python3 benchmarks/gpu_gemv.py OUT.json [shape ...]``.
+``SWEEP=llama8b FP8=1 ... OUT.json llama8b``: sweep that shape's tiles too, and each launch again with the weight in
+fp8 with its row scales (fp8 weight-only), the sweep only (labels ``fp8 <part>``); ``INDUCTOR=0``: no Inductor
+form.
 
 For the products of one decoder layer and the head of the Llama-3.2-1B, Qwen2-0.5B and Llama-3.1-8B shapes (bf16,
 one row), each with what a layer does around it, as transformers' Llama writes it:
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import statistics
 import sys
 import time
@@ -38,10 +42,14 @@ from exporter.kernels import gemv as G
 SHAPES = {"llama1b": (2048, 2048 + 2 * 512, 8192, 128256), "qwen05b": (896, 896 + 2 * 128, 4864, 151936),
           "llama8b": (4096, 4096 + 2 * 1024, 14336, 128256)}
 CALLS = 48
-SWEPT = ("llama1b", "qwen05b")  # the shapes whose tiles are swept (the 8B's are timed at config() alone)
+# the shapes whose tiles are swept (the 8B's are timed at config() alone unless SWEEP names it)
+SWEPT = tuple(os.environ.get("SWEEP", "llama1b,qwen05b").split(","))
+FP8 = os.environ.get("FP8") == "1"
 L2_FLUSH_BYTES = 256 << 20  # copies of the weights per graph: at least this many bytes read (the H100/H200 L2 is 50 MB)
 EPS = 1e-5
 TILES = [(bn, bk, w) for bn in (1, 2, 4, 8) for bk, w in ((512, 2), (1024, 2), (1024, 4), (2048, 4), (2048, 8))]
+if os.environ.get("TILES"):  # e.g. TILES=1/512/2,2/1024/2: the sweep's tiles
+    TILES = [tuple(int(v) for v in t.split("/")) for t in os.environ["TILES"].split(",")]  # type: ignore[misc]
 # rows that no long power of two divides (the 0.5B's 896, 4864): short steps that divide them, more rows a program
 ODD_TILES = [(bn, bk, w) for bn in (4, 8, 16, 32) for bk in (128, 256) for w in (2, 4)]
 
@@ -156,14 +164,21 @@ def measure(shape: str, done: Callable[[dict[str, Any]], None]) -> None:
                                "us": {}, "error": {}, "tbps": {}}
 
         timed(row, "cublas_eager", eager, args, sets, ref, nbytes)
-        timed(row, "inductor", compiled, args, sets, ref, nbytes)
+        if os.environ.get("INDUCTOR", "1") == "1":  # INDUCTOR=0: the sweep without Inductor's compile of each block
+            timed(row, "inductor", compiled, args, sets, ref, nbytes)
         timed(row, "gemv", KERNEL_FORMS[name], args, sets, ref, nbytes)
         # the sweep: each launch of the block at one tile (the mlp's two launches swept apart)
         sweep: dict[str, Any] = {}
         launches = ([("gate_up", 2 * inter, hidden), ("down", hidden, inter)] if name == "mlp"
                     else [(name, dims[0][0], dims[0][1])])
-        for part, n, k in launches:
-            weights = [weight(n, k) for _ in range(max(1, min(16, -(-L2_FLUSH_BYTES // (n * k * 2)))))]
+        for part, n, k in launches + ([("fp8 " + p, n, k) for p, n, k in launches] if FP8 else []):
+            fp8 = part.startswith("fp8 ")
+            weights = [weight(n, k) for _ in range(max(1, min(16, -(-L2_FLUSH_BYTES // (n * k * (1 if fp8 else 2))))))]
+            scales = None
+            if fp8:  # weight-only fp8: the weights in float8_e4m3fn, one float32 scale a row
+                scales = weights[0].float().abs().amax(1) / 448
+                weights = [(w.float() / scales[:, None]).to(torch.float8_e4m3fn) for w in weights]
+            part = part.removeprefix("fp8 ")
             glu, normed, res = part == "gate_up", part in ("qkv", "head", "gate_up"), part in ("o", "down")
             src = torch.randn(k, device=dev).to(bf)
             out = torch.empty(n // 2 if glu else n, device=dev, dtype=bf)
@@ -171,23 +186,27 @@ def measure(shape: str, done: Callable[[dict[str, Any]], None]) -> None:
             norm = (1 + 0.1 * torch.randn(k, device=dev)).to(bf) if normed else None
             best = None
             tiles = TILES + (ODD_TILES if k % 1024 else [])
-            for bn, bk, warps in tiles if shape in SWEPT else [G.config(n // 2 if glu else n, k, glu)]:
-                if bk > max(16, 1 << (k - 1).bit_length()):
+            label = f"fp8 {part}" if fp8 else part
+            chosen = G.config(n // 2 if glu else n, k, glu, fp8=fp8)
+            for bn, bk, warps in [chosen, *tiles] if shape in SWEPT else [chosen]:
+                if bk > max(16, 1 << (k - 1).bit_length()) or f"{label} {bn}/{bk}/{warps}" in sweep:
                     continue
 
                 try:
-                    us = graph_us([functools.partial(G.launch, src, w, out, norm, EPS, glu, resid, None, bn, bk, warps)
+                    us = graph_us([functools.partial(G.launch, src, w, out, norm, EPS, glu, resid, None, bn, bk, warps,
+                                                     scales=scales)
                                    for w in weights])
                 except Exception as exc:  # noqa: BLE001 - a tile that does not compile is noted
-                    sweep[f"{part} {bn}/{bk}/{warps}"] = str(exc).splitlines()[0][:100]
+                    sweep[f"{label} {bn}/{bk}/{warps}"] = str(exc).splitlines()[0][:100]
                     continue
-                sweep[f"{part} {bn}/{bk}/{warps}"] = us
+                sweep[f"{label} {bn}/{bk}/{warps}"] = us
                 if best is None or us < best[1]:
                     best = (f"{bn}/{bk}/{warps}", us)
-            row.setdefault("sweep_best", {})[part] = {"tile": best[0] if best else None,
-                                                      "us": best[1] if best else None,
-                                                      "tbps": n * k * 2 / best[1] / 1e6 if best else None,
-                                                      "config": list(G.config(n // 2 if glu else n, k, glu))}
+            nbytes_part = n * k * (1 if fp8 else 2)
+            row.setdefault("sweep_best", {})[label] = {
+                "tile": best[0] if best else None, "us": best[1] if best else None,
+                "tbps": nbytes_part / best[1] / 1e6 if best else None, "config": list(chosen),
+                "config_us": sweep.get(f"{label} {chosen[0]}/{chosen[1]}/{chosen[2]}")}
         row["sweep"] = sweep
         done(row)
         print(json.dumps({k: row[k] for k in ("shape", "block", "weights_mb", "us", "tbps", "error", "sweep_best")}),

@@ -14,6 +14,10 @@ kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``) in a process of 
   rewrite ignoring it would miss, and Qwen2 with biased q/k/v), :func:`decode_products.fuse` turns every product of
   the decode program of batch 1 into one node, the norms, activations and residual adds into it, and the rewritten
   program gives the program's own logits; GPT-2's transposed ``Conv1D`` products are left as they were.
+- An fp8 weight-only weight (``float8_e4m3fn`` rows, a float32 scale each) is read by the same kernel with the same
+  fusions: float32's own error, bf16's rounding and no more, and a kernel handed its scales one row off fails the
+  same bounds. A Llama quantized to fp8 weight-only, whose decode program of batch 1 holds ``exporter::fp8_gemv``,
+  folds into ``exporter::gemv`` nodes with the quantized step's own logits.
 """
 
 from __future__ import annotations
@@ -33,12 +37,14 @@ torch.manual_seed(0)
 def toward_zero(t):  # bfloat16, rounded toward zero (as the interpreter rounds), kept in float32
     return (t.float().contiguous().view(torch.int32) & -65536).view(torch.float32)
 
-def emulate(x, w, norm, eps, glu, residual, bias):  # the kernel's roundings in torch, sums in float32
+def emulate(x, w, norm, eps, glu, residual, bias, scales):  # the kernel's roundings in torch, sums in float32
     h = x.float().reshape(-1)
     if norm is not None:
         h = toward_zero(h * torch.rsqrt(h.square().mean() + eps))
         h = toward_zero(h * norm.float())
     y = w.float() @ h
+    if scales is not None:
+        y = y * scales
     if bias is not None:
         y = y + bias.float()
     if glu:
@@ -50,9 +56,16 @@ def emulate(x, w, norm, eps, glu, residual, bias):  # the kernel's roundings in 
     return y
 
 rows = []
-for n, k, dtype, norm, glu, residual, bias, tile, defect in json.loads(sys.argv[1]):
+for n, k, dtype, norm, glu, residual, bias, tile, defect, *fp8 in json.loads(sys.argv[1]):
     dtype = getattr(torch, dtype)
     weight = (torch.randn(2 * n if glu else n, k) / k ** 0.5).to(dtype)
+    scales = None
+    if fp8:  # weight-only fp8: one float32 scale a row, the weight in float8_e4m3fn
+        scales = weight.float().abs().amax(1) / 448
+        weight = (weight.float() / scales[:, None]).to(torch.float8_e4m3fn)
+    given_scales = scales
+    if defect == "scale":  # each row given another row's scale
+        given_scales = scales.roll(1)
     x = (3 * torch.randn(1, 1, k)).to(dtype)
     nw = (1 + 0.2 * torch.randn(k)).to(dtype) if norm else None
     res = torch.randn(1, 1, n).to(dtype) if residual else None
@@ -62,13 +75,15 @@ for n, k, dtype, norm, glu, residual, bias, tile, defect in json.loads(sys.argv[
     if tile:
         out = torch.empty(n, dtype=dtype)
         G.launch(x.reshape(k), weight, out, given_norm, 1e-5, glu, None if given_res is None else given_res.reshape(n),
-                 b, *tile)
+                 b, *tile, scales=given_scales)
     else:
-        out = torch.ops.exporter.gemv(x, weight, given_norm, 1e-5, glu, given_res, b)
-    ref = G.reference(x, weight, nw, 1e-5, glu, res, b).reshape(-1)
+        out = torch.ops.exporter.gemv(x, weight, given_norm, 1e-5, glu, given_res, b,
+                                      None if given_scales is None else given_scales.reshape(-1, 1))
+    ref = G.reference(x, weight, nw, 1e-5, glu, res, b, scales).reshape(-1)
     rel = lambda t: float((t.double().reshape(-1) - ref).norm() / ref.norm())
-    rows.append({"case": [n, k, str(dtype), norm, glu, residual, bias], "kernel": rel(out),
-                 "emulated": rel(emulate(x, weight, nw, 1e-5, glu, res, b)), "shape": list(out.shape)})
+    rows.append({"case": [n, k, str(dtype), norm, glu, residual, bias, bool(fp8)], "kernel": rel(out),
+                 "emulated": rel(emulate(x, weight, nw, 1e-5, glu, res, b, scales)), "shape": list(out.shape),
+                 "tile": list(G.config(n, k, glu, fp8=bool(fp8)))})
 print(json.dumps(rows))
 """
 
@@ -81,6 +96,8 @@ from exporter.rewrite.graph_facts import count_graph_ops
 transformers.logging.set_verbosity_error()
 torch.manual_seed(0)
 kind, dtype = sys.argv[1], getattr(torch, sys.argv[2])
+fp8 = kind.endswith("-fp8")
+kind = kind.removesuffix("-fp8")
 small = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=2,
              vocab_size=256, max_position_embeddings=128)
 if kind == "llama":  # an epsilon large enough that a rewrite reading another would miss
@@ -93,8 +110,20 @@ else:
 for p in model.parameters():
     p.data.normal_(0, 0.2)
 model = model.eval().to(dtype)
+if fp8:  # weight-only fp8 as h100-fp8 quantizes it; its products of one row run exporter::fp8_gemv
+    from exporter.quantize import fp8_gemv as F
+    from exporter.quantize.transform import quantize_model
+    quantize_model(model, "fp8-weight-only", keep_originals=False)
+    def eligible(x, qweight):  # as on CUDA: the interpreter runs the kernel on the CPU's tensors
+        return F._ACTIVE and x.dtype in F.ACTIVATIONS and all(s == 1 for s in x.shape[:-1]) and \
+            x.shape[-1] == qweight.shape[1]
+    F.eligible = eligible
 layout = probe_layout(model, True, "cpu")
+if fp8:  # traced, the op only allocates its output: a GPU build's wrap_triton does not run the kernel on fake
+    launch, F.launch = F.launch, lambda *args, **kwargs: None  # tensors, the interpreter's kernel would
 programs = export_steps(DecoderStep(model, True), layout, 2, 4, 32, dtype, "cpu", fuse=True, one=True)
+if fp8:
+    F.launch = launch
 program = programs.decode_one
 kv = layout.allocate(1, 32, dtype, "cpu")
 for t in kv:
@@ -103,12 +132,15 @@ padding = torch.ones(1, 32, dtype=torch.long)
 padding[0, :2] = 0
 args = (torch.tensor([[5]]), padding, torch.tensor([7]))
 before = program.module()(*args, [t.clone() for t in kv])
+fp8_nodes = lambda: sum("fp8_gemv" in str(node.target) for node in program.graph.nodes)
+fp8_before = fp8_nodes()
 done = fuse(program)
 after = program.module()(*args, [t.clone() for t in kv])
 model.double()
 ref = DecoderStep(model, True)(*args, [t.double() for t in kv])
 rel = lambda t: float((t.double() - ref).norm() / ref.norm())
-print(json.dumps({"products": done.products, "norms": done.norms, "activations": done.activations,
+print(json.dumps({"products": done.products, "fp8": done.fp8, "fp8_before": fp8_before, "fp8_after": fp8_nodes(),
+                  "norms": done.norms, "activations": done.activations,
                   "residuals": done.residuals, "kept": len(done.kept), "ops": count_graph_ops(program.graph),
                   "fused": rel(after), "program": rel(before), "layers": layout.layers, "note": done.note()}))
 """
@@ -162,3 +194,39 @@ def test_gpt2s_transposed_products_are_left_as_they_were():
     row = run_interpreted(STEP, "gpt2", "float32")
     assert row["products"] == 1 and row["kept"] == 4 * row["layers"], row  # the head alone is a plain linear
     assert row["fused"] < 1e-5, row
+
+
+def test_an_fp8_weight_is_scaled_row_by_row_with_everything_else_folded_in():
+    # weight-only fp8: float8_e4m3fn rows, a float32 scale each, applied before the bias and rounded once
+    cases = [[48, 200, "float32", True, False, False, True, [4, 64, 2], None, True],   # norm, bias, ragged row
+             [50, 128, "float32", True, True, False, False, [2, 32, 2], None, True],   # gate/up: each half its scales
+             [64, 256, "float32", False, False, True, False, None, None, True],
+             [96, 512, "bfloat16", True, False, False, False, None, None, True],       # q/k/v after the norm
+             [128, 256, "bfloat16", True, True, False, False, None, None, True],       # gate/up, silu(gate) * up
+             [64, 1024, "bfloat16", False, False, True, False, None, None, True]]      # down, the residual added
+    rows = run_interpreted(KERNEL, json.dumps(cases))
+    for row in rows[:3]:
+        assert row["kernel"] < 1e-5, row  # float32's own error: the scales are applied, and to the right rows
+    for row in rows[3:]:
+        assert row["emulated"] > 1e-4 and row["kernel"] <= 1.01 * row["emulated"], row
+    for row in rows:
+        block_n, block_k, warps = row["tile"]
+        assert block_n >= 1 and block_k >= 16 and warps in (2, 4, 8), row  # fp8's own tile rule
+
+
+def test_the_bound_fails_an_fp8_kernel_given_its_scales_one_row_off():
+    cases = [[64, 256, "float32", False, False, False, False, None, "scale", True],
+             [128, 256, "bfloat16", True, True, False, False, None, "scale", True]]
+    for row in run_interpreted(KERNEL, json.dumps(cases)):
+        assert row["kernel"] > 2e-3 and row["kernel"] > 1.2 * row["emulated"], row
+
+
+def test_an_fp8_decode_step_folds_into_the_same_kernels():
+    # transformers' Llama quantized to fp8 weight-only: its products of one row are exporter::fp8_gemv, and the
+    # rewrite makes each, with its norm, activation or residual, one exporter::gemv reading the fp8 weight
+    row = run_interpreted(STEP, "llama-fp8", "float32")
+    layers = row["layers"]
+    assert row["fp8_before"] == 4 * layers and row["fp8_after"] == 0, row  # q/k/v, o, gate/up, down in fp8
+    assert row["products"] == 4 * layers + 1 and row["fp8"] == 4 * layers and row["kept"] == 0, row  # + the head
+    assert row["norms"] == 2 * layers + 1 and row["activations"] == layers and row["residuals"] == 2 * layers, row
+    assert row["fused"] < 1e-5 and row["fused"] < 10 * row["program"] + 1e-6, row  # the quantized step's logits

@@ -11,8 +11,12 @@ then ``view`` back):
 - after it, ``split`` of a fused gate/up product into two halves, ``silu(gate) * up`` (decomposed or not);
 - after it (or after the activation), an ``add`` with a tensor of its shape: the residual.
 
+An fp8 weight-only product of one row (``exporter::fp8_gemv``, which ``quantize.fp8_gemv.one_row_kernel`` puts in the
+decode program of batch 1) is matched the same way, its weight and row scales program buffers: the ``exporter::gemv``
+node reads the fp8 weight with its scales (``scales``), so an fp8 layer takes the same five kernels as a bf16 one.
+
 What matches is replaced by one node; what does not (a norm of another form, Gemma's ``1 + weight``, a LayerNorm,
-GPT-2's transposed ``Conv1D``, an fp8 product, a product of several rows) is left as it was, so the rewrite never
+GPT-2's transposed ``Conv1D``, a rowwise fp8 product, a product of several rows) is left as it was, so the rewrite never
 changes what a program computes beyond the order of float32 sums (:mod:`.gemv`). The model is not edited: the
 program is. The nodes the match leaves unused, and the metadata asserts on them, are removed.
 """
@@ -34,6 +38,7 @@ class Fused:
     """What :func:`fuse` did: products made ``exporter::gemv`` nodes, and how many took each surrounding step."""
 
     products: int = 0
+    fp8: int = 0  # of them, fp8 weight-only products (exporter::fp8_gemv before)
     norms: int = 0
     activations: int = 0
     residuals: int = 0
@@ -41,7 +46,8 @@ class Fused:
 
     def note(self) -> str:
         kept = f"; {len(self.kept)} left as Inductor writes them ({self.kept[0]}…)" if self.kept else ""
-        return (f"{self.products} products of one row as exporter::gemv ({self.norms} with their RMSNorm, "
+        fp8 = f", {self.fp8} of them fp8" if self.fp8 else ""
+        return (f"{self.products} products of one row as exporter::gemv{fp8} ({self.norms} with their RMSNorm, "
                 f"{self.activations} with silu(gate) * up, {self.residuals} with the residual add){kept}")
 
 
@@ -132,6 +138,22 @@ def _product(node: Any) -> Any:
     return h, weight, bias, out
 
 
+def _fp8_product(node: Any) -> Any:
+    """``(h, qweight, bias, node, scales)`` where ``node`` is ``exporter::fp8_gemv`` of one row of ``h`` by an fp8
+    buffer with its row scales."""
+    h, qweight, scales = node.args[:3]
+    bias = node.args[3] if len(node.args) > 3 else node.kwargs.get("bias")
+    h_val, w_val, s_val, out_val = (tensor_value(n) for n in (h, qweight, scales, node))
+    if not _param(qweight, 2) or not isinstance(scales, Node) or scales.op != "placeholder" or \
+            (bias is not None and not _param(bias, 1)) or None in (h_val, w_val, s_val, out_val) or \
+            w_val.dtype != torch.float8_e4m3fn or s_val.dtype != torch.float32 or \
+            s_val.numel() != w_val.shape[0] or h_val.numel() != w_val.shape[1] or \
+            h_val.dtype not in (torch.bfloat16, torch.float16, torch.float32) or \
+            tuple(out_val.shape) != (*h_val.shape[:-1], w_val.shape[0]):
+        return None
+    return h, qweight, bias, node, scales
+
+
 def _glu(out: Any) -> Any:
     """The node ``silu(gate) * up`` where ``out`` is split into two halves, gate first."""
     if len(out.users) != 1:
@@ -210,12 +232,20 @@ def fuse(program: torch.export.ExportedProgram) -> Fused:
     assert gemv.AVAILABLE, "exporter::gemv needs Triton"
     graph = program.graph_module.graph
     done = Fused()
+    fp8 = getattr(getattr(torch.ops, "exporter", None), "fp8_gemv", None)
+    fp8_targets = (fp8.default,) if fp8 is not None and hasattr(fp8, "default") else ()
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in (aten.mm.default, aten.addmm.default):
+        if node.op != "call_function" or node.target not in (aten.mm.default, aten.addmm.default, *fp8_targets):
             continue
-        if tensor_value(node) is not None and tensor_value(node).shape[0] != 1:
-            continue
-        found = _product(node)
+        scales = None
+        if node.target in fp8_targets:
+            found = _fp8_product(node)
+            if found is not None:
+                *found, scales = found
+        else:
+            if tensor_value(node) is not None and tensor_value(node).shape[0] != 1:
+                continue
+            found = _product(node)
         if found is None:
             done.kept.append(node.name)
             continue
@@ -240,10 +270,11 @@ def fuse(program: torch.export.ExportedProgram) -> Fused:
             continue
         with graph.inserting_before(last):
             fused = graph.call_function(torch.ops.exporter.gemv.default,
-                                        (x, weight, norm_weight, eps, glu is not None, residual_node, bias))
+                                        (x, weight, norm_weight, eps, glu is not None, residual_node, bias, scales))
         fused.meta = dict(last.meta)
         last.replace_all_uses_with(fused)
         done.products += 1
+        done.fp8 += scales is not None
         done.norms += norm is not None
         done.activations += glu is not None
         done.residuals += residual_node is not None

@@ -12,8 +12,9 @@ the cast to the activation's dtype in its epilogue: one kernel per linear, no se
 
 It is registered with ``torch.library.triton_op`` as ``exporter::fp8_gemv``: ``torch.export`` keeps it as one node
 and AOTInductor compiles the kernel into the package (the package needs no library of ours to load). Inductor
-cannot fuse other operations into it (the RMSNorm before a projection, the activation after one); that is what
-the kernel costs, and the measurement in docs/quantization.md includes it.
+cannot fuse other operations into it (the RMSNorm before a projection, the activation after one); where
+``generation.decode_gemv_kernel`` is on, ``kernels.decode_products.fuse`` replaces each such node, with the norm,
+activation and residual add around it, by one ``exporter::gemv`` that reads the fp8 weight and its scales.
 
 Where it is used (:func:`eligible`): CUDA, a float activation whose leading dimensions are all statically 1 (the
 decode program of batch 1, ``generation.decode_batch_1``, traced inside :func:`one_row_kernel`); a program with a

@@ -98,8 +98,9 @@ class GenerationSection:
     # false leaves them to Inductor
     decode_step_kernel: bool = True
     # the same program, on CUDA: each product of one row, with the RMSNorm before it, silu(gate) * up after a fused
-    # gate/up product and the residual add after it, as one exporter::gemv kernel (kernels/decode_products.py);
-    # false keeps Inductor's reductions
+    # gate/up product and the residual add after it, as one exporter::gemv kernel (kernels/decode_products.py), an
+    # fp8 weight-only product too (the kernel reads the fp8 weight and its row scales); false keeps Inductor's
+    # reductions and exporter::fp8_gemv
     decode_gemv_kernel: bool = True
 
 
