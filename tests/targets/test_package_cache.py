@@ -50,9 +50,12 @@ def test_a_package_is_compiled_once_and_reused_and_the_header_kept_with_inductor
     model = Tiny()
     exported = program(model)
     built, reused = tmp_path / "a.pt2", tmp_path / "b.pt2"
-    assert compile_package(exported, built, {}, "cpu") == "stored"
+    # one dict for every build, as a generation's prefill and decode share theirs (torch replaces an empty one)
+    options = {"aot_inductor.package_constants_in_so": True}
+    assert compile_package(exported, built, options, "cpu") == "stored"
+    assert options == {"aot_inductor.package_constants_in_so": True}, "the build changed the options handed to it"
     assert list((tmp_path / "inductor" / "precompiled_headers").glob("*.gch")), "no header in the cache folder"
-    assert compile_package(program(model), reused, {}, "cpu") == "reused"
+    assert compile_package(program(model), reused, options, "cpu") == "reused"
     assert reused.read_bytes() == built.read_bytes()
     x = torch.randn(2, 8)  # the exported (static) shape
     expected = model(x)
@@ -62,5 +65,5 @@ def test_a_package_is_compiled_once_and_reused_and_the_header_kept_with_inductor
         torch.testing.assert_close(out, expected)
     with torch.no_grad():
         model.linear.weight.mul_(2)
-    assert compile_package(program(model), tmp_path / "c.pt2", {}, "cpu") == "stored"  # other weights: compiled
+    assert compile_package(program(model), tmp_path / "c.pt2", options, "cpu") == "stored"  # other weights: compiled
     assert len(list((tmp_path / "cache").glob("*.pt2"))) == 2

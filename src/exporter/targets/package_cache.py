@@ -140,7 +140,9 @@ def compile_package(program, path: Path, configs: dict[str, Any], device: str,
     if cache is not None and entry is not None and fetch(cache, entry, path):
         return "reused"
     shared_headers()
-    torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=configs)
+    # a copy: torch adds its own options to the dict it is handed, and a caller that compiles several programs
+    # with one dict (a generation's prefill and decode) would key the next program by whether this one compiled
+    torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=dict(configs))
     if cache is not None and entry is not None and store(cache, entry, path):
         return "stored"
     return None
