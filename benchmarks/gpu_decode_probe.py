@@ -270,7 +270,9 @@ def main() -> None:
         if prefix and not quantized:
             from exporter.quantize.transform import quantize_model
 
-            quantize_model(model, "fp8-weight-only", keep_originals=False)
+            # FP8_HEAD=1: the vocabulary head too (the recipe's quantize.include_head), as torchao's quantize_ does
+            quantize_model(model, "fp8-weight-only", keep_originals=False,
+                           include_head=os.environ.get("FP8_HEAD") == "1")
             programs.clear()
             quantized = True
             weights_fp8 = weight_bytes(model)

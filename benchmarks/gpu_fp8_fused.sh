@@ -4,6 +4,7 @@
 #   PART=probe bash benchmarks/gpu_fp8_fused.sh   # one call: the whole 32-layer Llama-3.1-8B shape's decode program
 #       of batch 1 as exporter builds it (variant 15 of benchmarks/gpu_decode_probe.py), bf16 then fp8 weight-only,
 #       each replayed from a CUDA graph and profiled: $OUT/probe/decode-probe.{md,json}
+#       (FP8_HEAD=1: the vocabulary head quantized too, as quantize.include_head=true and torchao's quantize_ do)
 #   PART=judged bash benchmarks/gpu_fp8_fused.sh  # one call: 2 layers of that shape through the product, fp8
 #       weight-only with generation.decode_batch_1, judged, verified and generated from (gpu_decode_batch_1.sh)
 set -u
