@@ -292,7 +292,7 @@ def main() -> None:
                     print(fuse_products(programs[key]).note(), flush=True)
             t0 = time.perf_counter()
             path = Path("/tmp") / f"probe-{len(rows)}.pt2"
-            from exporter.targets.aoti import int_arrays_declared_where_used
+            from exporter.targets.compile_apart import int_arrays_declared_where_used
 
             with backend_context(backend, "cuda"), int_arrays_declared_where_used():
                 program = programs[key]

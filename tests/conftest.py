@@ -281,12 +281,23 @@ def converted_once(tmp_path_factory, name: str, convert):
 @pytest.fixture(scope="session")
 def llama_generation(tiny_models, tmp_path_factory):
     """A tiny Llama converted with --task text-generation and every generation target (once per test run, shared
-    by the workers): the folder and report of that ``exporter.convert``."""
+    by the workers): the folder and report of that ``exporter.convert``. Its decode package is compiled in a
+    process of its own while the prefill compiles here (``EXPORTER_BUILD_JOBS=2``; a CPU build compiles one after
+    the other by default), so every test that reads the folder judges a package compiled apart."""
     import exporter
+    from exporter.targets import compile_apart
 
     def build(out: Path) -> None:
-        exporter.convert(tiny_models["llama"], "cpu-fp32", out, task="text-generation",
-                         targets=("exported_program", "aoti", "onnx"))
+        before = os.environ.get(compile_apart.ENV)
+        os.environ[compile_apart.ENV] = "2"
+        try:
+            exporter.convert(tiny_models["llama"], "cpu-fp32", out, task="text-generation",
+                             targets=("exported_program", "aoti", "onnx"))
+        finally:
+            if before is None:
+                os.environ.pop(compile_apart.ENV, None)
+            else:
+                os.environ[compile_apart.ENV] = before
 
     return converted_once(tmp_path_factory, "llama-generation", build)
 

@@ -269,18 +269,19 @@ def test_a_generation_build_that_fails_publishes_no_half_built_program(tiny_mode
     unset memory), and exporter generate refuses the target."""
     from exporter.errors import UsageError
     from exporter.generation.generate import generate_tokens
-    from exporter.targets import aoti
+    from exporter.targets import compile_apart
 
     compiled = []
 
-    def second_fails(program, path, configs, device, extra=None):
+    def second_fails(job, device, backend, entry):
         if compiled:
             raise RuntimeError("C++ compile error: " + "x" * 600 + " the compiler's last line")
-        compiled.append(path)
-        path.write_bytes(b"the prefill package")  # written, as a compile writes it; nothing reads it before the next
-        return None  # as compile_package returns with its cache off
+        compiled.append(job.path)
+        job.path.write_bytes(b"the prefill package")  # written, as a compile writes it; nothing reads it before
+        return None  # as compile_one returns with the package cache off
 
-    monkeypatch.setattr(aoti, "compile_package", second_fails)
+    monkeypatch.setenv(compile_apart.ENV, "1")  # one after the other, here (as a CPU build compiles by default)
+    monkeypatch.setattr(compile_apart, "compile_one", second_fails)
     result = exporter.convert(tiny_models["llama"], quick(("aoti",)), tmp_path / "out", settings=SETTINGS,
                               task="text-generation")
     assert result.exit_code == 4

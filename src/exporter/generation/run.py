@@ -139,7 +139,7 @@ def build_and_judge(entry: dict[str, Any], programs: DecoderPrograms, recipe: Re
                     (staging / partial).unlink(missing_ok=True)
             return
         main = staging / target.decoder[-1]
-        notes = list(programs.notes)
+        notes = list(programs.notes) + programs.build_notes.get(name, [])
         if programs.decode_one is not None and target.decoder_one:
             notes.append(f"{target.decoder_one}: the decode program again with the batch fixed at 1, compiled with "
                          "coordinate-descent tuning (generation.decode_batch_1); a batch of one row decodes with it, "

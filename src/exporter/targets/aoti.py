@@ -21,7 +21,6 @@ import contextlib
 import os
 import shutil
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -34,8 +33,9 @@ from ..dtypes import torch_dtype
 from ..measure.kernels import hook
 from ..modelio import import_spec_types, named_call
 from ..outdir import save_named_tensors
-from . import aoti_loader, package_cache
+from . import aoti_loader, compile_apart, package_cache
 from .aoti_loader import CudaGraphed, load_package
+from .compile_apart import Job, compile_all
 from .context import BuildContext, Built, DecoderPrograms
 from .exported_program import core_aten
 from .exported_program import decoder_attention as decoder_attention
@@ -183,35 +183,6 @@ BATCH_1_CONFIGS = {"coordinate_descent_tuning": True}
 BATCH_1_GPU_CONFIGS = {"combo_kernels": True}
 
 
-@contextlib.contextmanager
-def int_arrays_declared_where_used() -> Iterator[bool]:
-    """Inductor's C++ wrapper (torch 2.11 to 2.13) caches the name of each size/stride array it declares by the
-    ``id()`` of the buffer the declaration went to. A short-lived buffer's ``id`` taken again by a later one makes a
-    later use find a name declared where it cannot see it, and the wrapper does not compile (``'int_array_93' was
-    not declared in this scope``, seen building the decode program of batch 1 with ``exporter::gemv`` on an H100;
-    pytorch/pytorch#193621). Inside, every use declares its own array (a longer wrapper, nothing else). Yields
-    whether torch had the method to replace."""
-    try:
-        from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu  # noqa: PLC0415
-    except ImportError:
-        yield False
-        return
-    original = CppWrapperCpu.__dict__.get("codegen_int_array_var")
-    declare = getattr(CppWrapperCpu, "_codegen_int_array_var_impl", None)
-    if original is None or declare is None:
-        yield False
-        return
-
-    def codegen_int_array_var(self, int_array, writeline, known_statically=False, graph=None):
-        return declare(self, int_array, writeline, known_statically)
-
-    setattr(CppWrapperCpu, "codegen_int_array_var", codegen_int_array_var)  # noqa: B010 - mypy: a method
-    try:
-        yield True
-    finally:
-        setattr(CppWrapperCpu, "codegen_int_array_var", original)  # noqa: B010
-
-
 def shared_tensors(prefill: list[tuple[str, torch.Tensor]],
                    decode: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
     """The constants of both programs, each name once. Both come from one module, so a name they share is one
@@ -235,21 +206,30 @@ def build_decoder(programs: DecoderPrograms, settings: BuildSettings, files: tup
     tensors = program_tensors(compiled[0])
     for program in compiled[1:]:
         tensors = shared_tensors(tensors, program_tensors(program))
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(backend_context(settings.attention_backend, device))
-        if device != "cpu":
-            stack.enter_context(inductor_config.patch({"cpp.vec_isa_ok": False}))
-        configs: dict[str, Any] = {"aot_inductor.package_constants_in_so": False}
-        for index, (program, path) in enumerate(zip(compiled, files)):
-            gpu = BATCH_1_GPU_CONFIGS if device != "cpu" else {}
-            own = {**configs, **BATCH_1_CONFIGS, **gpu} if index == 2 else configs
-            with int_arrays_declared_where_used() if index == 2 else contextlib.nullcontext():
-                compile_package(program, path, own, device, {"attention_backend": settings.attention_backend})
+    configs: dict[str, Any] = {"aot_inductor.package_constants_in_so": False}
+    batch_1 = {**configs, **BATCH_1_CONFIGS, **(BATCH_1_GPU_CONFIGS if device != "cpu" else {})}
+    extra = {"attention_backend": settings.attention_backend}
+    # compiled at once, each after the first in a process of its own (compile_apart: EXPORTER_BUILD_JOBS)
+    outcomes = compile_all([Job(program, path, batch_1 if index == 2 else configs, extra, batch_1=index == 2)
+                            for index, (program, path) in enumerate(zip(compiled, files))],
+                           device, settings.attention_backend)
+    programs.build_notes["aoti"] = [how_compiled(files, outcomes, device)]
     weights = staging / DECODER_WEIGHTS
     save_named_tensors(weights, tensors)
     loader = staging / LOADER
     shutil.copyfile(aoti_loader.__file__, loader)
     return [*files, weights, loader]
+
+
+def how_compiled(files: tuple[Path, ...], outcomes: list[dict[str, Any]], device: str) -> str:
+    """The report's note on how a decoder's packages were compiled (``compile_apart.compile_all``'s outcomes)."""
+    reused = [f.name for f, o in zip(files, outcomes) if o["cache"] == "reused"]
+    apart = [f.name for f, o in zip(files, outcomes) if o["apart"]]
+    here = [f.name for f, o in zip(files, outcomes) if not o["apart"] and o["cache"] != "reused"]
+    parts = [f"{', '.join(here)} compiled here"] if here else []
+    parts += [f"{', '.join(apart)} at the same time, each in a process of its own"] if apart else []
+    parts += [f"{', '.join(reused)} reused from the package cache ({package_cache.ENV})"] if reused else []
+    return "; ".join(parts) + f" ({compile_apart.ENV}={compile_apart.jobs_at_once(device)})"
 
 
 def load_decoder(files: tuple[Path, ...]) -> DecoderLoaded:

@@ -90,6 +90,8 @@ class DecoderPrograms:
     # the decode program again with the batch fixed at 1 (generation.decode_batch_1), for the targets that compile
     # it apart (``Target.decoder_one``)
     decode_one: Any = None
+    # what a target's build says of how it built these programs (by target name; the report's notes)
+    build_notes: dict[str, list[str]] = field(default_factory=dict)
 
 
 def build(target: Target, ctx: BuildContext) -> list[Built]:

@@ -139,13 +139,21 @@ def compile_package(program, path: Path, configs: dict[str, Any], device: str,
     entry = key(program, configs, device, extra) if cache is not None else None
     if cache is not None and entry is not None and fetch(cache, entry, path):
         return "reused"
+    return compile_keyed(program, path, configs, entry)
+
+
+def compile_keyed(program, path: Path, configs: dict[str, Any], entry: str | None) -> str | None:
+    """Compile ``program`` into ``path`` and keep it in the cache as ``entry`` (its :func:`key`, computed where the
+    program was made: a program saved and loaded again in another process prints differently); None: the cache is
+    off, or could not be written."""
     shared_headers()
     # a copy: torch adds its own options to the dict it is handed, and a caller that compiles several programs
     # with one dict (a generation's prefill and decode) would key the next program by whether this one compiled
     torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=dict(configs))
+    cache = folder()
     if cache is not None and entry is not None and store(cache, entry, path):
         return "stored"
     return None
 
 
-__all__ = ["ENV", "compile_package", "fetch", "folder", "key", "shared_headers", "store"]
+__all__ = ["ENV", "compile_keyed", "compile_package", "fetch", "folder", "key", "shared_headers", "store"]
