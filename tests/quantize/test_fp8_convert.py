@@ -269,7 +269,7 @@ def test_a_generation_build_that_fails_publishes_no_half_built_program(tiny_mode
     unset memory), and exporter generate refuses the target."""
     from exporter.errors import UsageError
     from exporter.generation.generate import generate_tokens
-    from exporter.targets import compile_apart
+    from exporter.targets import compile_apart, package_cache
 
     compiled = []
 
@@ -281,6 +281,7 @@ def test_a_generation_build_that_fails_publishes_no_half_built_program(tiny_mode
         return None  # as compile_one returns with the package cache off
 
     monkeypatch.setenv(compile_apart.ENV, "1")  # one after the other, here (as a CPU build compiles by default)
+    monkeypatch.delenv(package_cache.ENV, raising=False)  # compiled, not reused from an earlier test's build
     monkeypatch.setattr(compile_apart, "compile_one", second_fails)
     result = exporter.convert(tiny_models["llama"], quick(("aoti",)), tmp_path / "out", settings=SETTINGS,
                               task="text-generation")
