@@ -231,11 +231,15 @@ def _start(job: Job, index: int, device: str, backend: str, entry: str | None, f
     scratch = folder / f"tmp-{index}"
     scratch.mkdir()
     env["TMPDIR"] = str(scratch)
-    env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(),
-                                                            f"torchinductor_{os.environ.get('USER', 'user')}"))
+    with contextlib.suppress(Exception):  # Inductor's caches (kernels, its precompiled header) shared with this process
+        from torch._inductor.runtime.cache_dir_utils import cache_dir  # noqa: PLC0415
+
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", cache_dir())
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         process = forkserver.start("exporter.targets.compile_apart", [str(request)], env, fd, (), CHILD_PYTHON)
+    except Exception:  # no process could be started: compiled here
+        return None
     finally:
         os.close(fd)
     return _Child(job, index, request, answer, log, process)
