@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import io
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,7 @@ def run(path: Path, batch: int) -> list[torch.Tensor]:
 
 @pytest.mark.slow
 def test_programs_compiled_apart_compute_what_they_compute_compiled_here(tmp_path, monkeypatch):
+    scratch = own_temporary_folder(tmp_path, monkeypatch)
     monkeypatch.setenv(compile_apart.ENV, "3")
     monkeypatch.delenv(package_cache.ENV, raising=False)  # every job compiled, none reused
     dynamic, static = program(True), program(False)
@@ -67,7 +69,18 @@ def test_programs_compiled_apart_compute_what_they_compute_compiled_here(tmp_pat
     args = inputs(2)
     expected = static.module()(*args)
     assert torch.allclose(run(tmp_path / "static.pt2", 2)[0], expected, rtol=1e-5, atol=1e-6)
-    assert not list(Path(os.environ.get("TMPDIR", "/tmp")).glob("exporter-compile-*"))
+    assert not list(scratch.glob("exporter-compile-*"))  # the programs saved for the children went with them
+
+
+def own_temporary_folder(tmp_path: Path, monkeypatch) -> Path:
+    """This test's own temporary folder (another worker's builds use the shared one at the same time)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", cache_dir())  # Inductor's caches where they were
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    return scratch
 
 
 def compile_on_cpu(jobs: list[Job]) -> list[dict]:
@@ -76,6 +89,7 @@ def compile_on_cpu(jobs: list[Job]) -> list[dict]:
 
 def test_a_child_that_fails_to_compile_fails_the_build_with_its_output_and_leaves_nothing(tmp_path, monkeypatch):
     psutil = pytest.importorskip("psutil")
+    scratch = own_temporary_folder(tmp_path, monkeypatch)
     monkeypatch.setenv(compile_apart.ENV, "2")
     monkeypatch.delenv(package_cache.ENV, raising=False)
     static = program(False)
@@ -89,7 +103,7 @@ def test_a_child_that_fails_to_compile_fails_the_build_with_its_output_and_leave
 
     left = {p.pid for p in psutil.Process().children(recursive=True)} - before - set(forkserver.server_pids())
     assert not [p for p in left if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-    assert not list(Path(os.environ.get("TMPDIR", "/tmp")).glob("exporter-compile-*"))
+    assert not list(scratch.glob("exporter-compile-*"))
 
 
 def test_a_loaded_program_gets_the_ranges_of_its_symbols_back():

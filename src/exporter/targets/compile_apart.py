@@ -295,7 +295,7 @@ def compile_all(jobs: list[Job], device: str, backend: str) -> list[dict[str, An
     if apart and not room_for([job for _, job, _ in apart], device):
         apart = []
     here = [item for item in todo if item not in apart]
-    with tempfile.TemporaryDirectory(prefix="exporter-compile-") as folder:
+    with tempfile.TemporaryDirectory(prefix="exporter-compile-") if apart else contextlib.nullcontext("") as folder:
         children: list[_Child] = []
         try:
             for index, job, entry in apart:
