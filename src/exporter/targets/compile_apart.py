@@ -15,7 +15,8 @@ first program here and hands the others to children that run at the same time:
 - a child ends with the process that started it (``PR_SET_PDEATHSIG``); a signal, a failure or a timeout here kills
   every child's process group, and the temporary folder goes with them;
 - a child that fails to compile fails the build with its last lines; a program that cannot be saved, or that a
-  child could not load, is compiled here, as before.
+  child could not load (it reads the file as every ``.pt2`` is read, ``program_file.load_program``: nothing
+  unpickled), is compiled here, as before.
 
 What stays here, one after the other: a CPU build (``EXPORTER_BUILD_JOBS``: how many programs compile at once; by
 default this machine's CPU count for a GPU build, 1 for a CPU build: :func:`jobs_at_once`), a single program, and
@@ -336,7 +337,9 @@ def main(argv: list[str]) -> int:
     try:
         for module in OP_MODULES:
             importlib.import_module(module)
-        program = torch.export.load(request["program"])
+        from .program_file import load_program  # noqa: PLC0415 - the one reader of a .pt2 (nothing unpickled)
+
+        program = load_program(request["program"])
         restore_ranges(program, request["ranges"])
         stage = "compile"
         if request["cache"]:
