@@ -17,7 +17,6 @@ tuned to it, instead of a matrix-product call sized for any batch. It reads the 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import time
@@ -25,17 +24,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-import torch._inductor.config as inductor_config
 from safetensors.torch import load_file
 
-from ..attention_backend import backend_context
 from ..dtypes import torch_dtype
 from ..measure.kernels import hook
 from ..modelio import import_spec_types, named_call
 from ..outdir import save_named_tensors
 from . import aoti_loader, compile_apart, package_cache
 from .aoti_loader import CudaGraphed, load_package
-from .compile_apart import Job, compile_all
+from .compile_apart import Job, build_context, compile_all
 from .context import BuildContext, Built, DecoderPrograms
 from .exported_program import core_aten
 from .exported_program import decoder_attention as decoder_attention
@@ -74,12 +71,7 @@ def build(ctx: BuildContext) -> list[Built]:
     apart = weights > weights_apart_above()
     if apart:
         configs["aot_inductor.package_constants_in_so"] = False
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(backend_context(ctx.settings.attention_backend, ctx.device))
-        if ctx.device != "cpu":
-            # Inductor probes the CPU's vector instruction sets (a g++ compile and a Python process per set)
-            # for the C++ it would write for CPU kernels; a CUDA graph has none worth vectorising.
-            stack.enter_context(inductor_config.patch({"cpp.vec_isa_ok": False}))
+    with build_context(ctx.device, ctx.settings.attention_backend, batch_1=False):  # as a decoder's packages
         cached = compile_package(program, path, configs, ctx.device,
                                  {"attention_backend": ctx.settings.attention_backend})
     written = [path]
