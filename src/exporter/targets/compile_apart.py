@@ -222,12 +222,11 @@ def _start(job: Job, index: int, device: str, backend: str, entry: str | None, f
         return None
     request, answer, log = (folder / f"{kind}-{index}.{ext}" for kind, ext in
                             (("request", "json"), ("answer", "json"), ("child", "log")))
-    cache = package_cache.folder()
     request.write_text(json.dumps({
         "program": str(program_file), "path": str(job.path), "configs": job.configs, "device": device,
-        "backend": backend, "batch_1": job.batch_1, "entry": entry, "cache": str(cache) if cache else None,
-        "ranges": ranges, "answer": str(answer)}), encoding="utf-8")
-    env = dict(os.environ)
+        "backend": backend, "batch_1": job.batch_1, "entry": entry, "ranges": ranges, "answer": str(answer)}),
+        encoding="utf-8")
+    env = dict(os.environ)  # the package cache's folder (EXPORTER_PACKAGE_CACHE) among it
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     scratch = folder / f"tmp-{index}"
     scratch.mkdir()
@@ -247,6 +246,8 @@ def _start(job: Job, index: int, device: str, backend: str, entry: str | None, f
 
 
 def _kill(child: _Child) -> None:
+    """The child and whatever it started (its own session), as ``runners.kill_child`` stops an artifact's child
+    (``runners`` imports ``targets``: this module cannot import it back)."""
     if child.process.poll() is None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             if child.process.pid > 0:
@@ -295,7 +296,7 @@ def compile_all(jobs: list[Job], device: str, backend: str) -> list[dict[str, An
     apart = todo[1:jobs_at_once(device)]
     if apart and not room_for([job for _, job, _ in apart], device):
         apart = []
-    here = [item for item in todo if item not in apart]
+    here = todo[:1] + todo[1 + len(apart):]
     with tempfile.TemporaryDirectory(prefix="exporter-compile-") if apart else contextlib.nullcontext("") as folder:
         children: list[_Child] = []
         try:
@@ -342,8 +343,6 @@ def main(argv: list[str]) -> int:
         program = load_program(request["program"])
         restore_ranges(program, request["ranges"])
         stage = "compile"
-        if request["cache"]:
-            os.environ[package_cache.ENV] = request["cache"]
         job = Job(program, Path(request["path"]), request["configs"], batch_1=request["batch_1"])
         result: dict[str, Any] = {"cache": compile_one(job, request["device"], request["backend"], request["entry"])}
     except Exception as exc:
